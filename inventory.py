@@ -1,0 +1,20 @@
+"""pyinfra inventory: the hosts of the Ansible-style YAML file named by RIG_INVENTORY.
+
+Every host's data is merged over group_data/all.yml and validated before pyinfra connects;
+a mistake stops here with the file, the key path and the fix.
+"""
+
+import sys
+
+from llamarig.config import ConfigError, load_inventory, pyinfra_host
+
+try:
+    _inventory = load_inventory()
+except ConfigError as _error:
+    print("llamarig: the rig configuration is not valid:", file=sys.stderr)
+    for _problem in _error.problems:
+        print(f"  {_problem}", file=sys.stderr)
+    sys.exit(2)
+
+for _group, _members in _inventory.groups.items():
+    globals()[_group] = [pyinfra_host(_inventory.hosts[name]) for name in _members]

@@ -1,0 +1,173 @@
+"""pyinfra facts llamarig reads from a host. Each is one shell command and a pure parser."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from pyinfra.api import FactBase
+
+
+class NvidiaPciDevices(FactBase):
+    """NVIDIA display/3D controllers on the PCI bus, read from sysfs (works before any driver).
+
+    .. code:: python
+
+        [{"bus_id": "0000:01:00.0", "device_id": "0x2204", "class": "0x030000",
+          "driver": "nvidia"}]
+    """
+
+    default = list
+
+    def command(self) -> str:
+        return (
+            "for dev in /sys/bus/pci/devices/*; do "
+            '[ "$(cat $dev/vendor 2>/dev/null)" = 0x10de ] || continue; '
+            'case "$(cat $dev/class)" in 0x03*) ;; *) continue;; esac; '
+            'driver=-; [ -e $dev/driver ] && driver=$(basename "$(readlink $dev/driver)"); '
+            'echo "$(basename $dev) $(cat $dev/device) $(cat $dev/class) $driver"; '
+            "done"
+        )
+
+    def process(self, output):
+        devices = []
+        for line in output:
+            bus_id, device_id, device_class, driver = line.split()
+            devices.append(
+                {
+                    "bus_id": bus_id,
+                    "device_id": device_id,
+                    "class": device_class,
+                    "driver": None if driver == "-" else driver,
+                }
+            )
+        return devices
+
+
+NVIDIA_SMI_FIELDS = (
+    "index",
+    "pci.bus_id",
+    "name",
+    "memory.total",
+    "compute_cap",
+    "pcie.link.gen.current",
+    "pcie.link.width.current",
+    "driver_version",
+)
+
+
+class NvidiaSmiGpus(FactBase):
+    """GPUs as the loaded NVIDIA driver reports them, in nvidia-smi (PCI bus) order.
+
+    An empty list when nvidia-smi is missing; None when it is present but cannot talk to the
+    driver (not loaded, or a version mismatch after an upgrade without reboot).
+    """
+
+    default = list
+
+    def requires_command(self) -> str:
+        return "nvidia-smi"
+
+    def command(self) -> str:
+        fields = ",".join(NVIDIA_SMI_FIELDS)
+        return f"nvidia-smi --query-gpu={fields} --format=csv,noheader,nounits || echo FAILED"
+
+    def process(self, output):
+        if any(line.strip() == "FAILED" for line in output):
+            return None
+        return [parse_nvidia_smi_line(line) for line in output if line.strip()]
+
+
+def parse_nvidia_smi_line(line: str) -> dict:
+    values = [value.strip() for value in line.split(",")]
+    record = dict(zip(NVIDIA_SMI_FIELDS, values, strict=True))
+    return {
+        "index": int(record["index"]),
+        "bus_id": record["pci.bus_id"],
+        "name": record["name"],
+        "vram_mib": int(record["memory.total"]),
+        "compute_capability": record["compute_cap"],
+        "pcie_gen": record["pcie.link.gen.current"],
+        "pcie_width": record["pcie.link.width.current"],
+        "driver_version": record["driver_version"],
+    }
+
+
+class FirmwareBoot(FactBase):
+    """Boot mode and Secure Boot state: {"uefi": bool, "secure_boot": True|False|None}."""
+
+    # The SecureBoot EFI variable: 4 attribute bytes, then one data byte (1 = enabled).
+    EFIVAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
+
+    def command(self) -> str:
+        return (
+            "if [ -d /sys/firmware/efi ]; then echo uefi; else echo bios; fi; "
+            f"if [ -r {self.EFIVAR} ]; then od -An -t u1 -j 4 -N 1 {self.EFIVAR}; "
+            "else echo unknown; fi"
+        )
+
+    def process(self, output):
+        lines = [line.strip() for line in output]
+        state = lines[1] if len(lines) > 1 else "unknown"
+        return {
+            "uefi": lines[0] == "uefi",
+            "secure_boot": None if state == "unknown" else state == "1",
+        }
+
+
+class JsonFile(FactBase):
+    """The parsed content of a JSON file, or None when it is missing or not valid JSON."""
+
+    def command(self, path: str) -> str:
+        quoted = shlex.quote(path)
+        return f"if [ -f {quoted} ]; then cat {quoted}; else echo null; fi"
+
+    def process(self, output):
+        try:
+            return json.loads("\n".join(output))
+        except json.JSONDecodeError:
+            return None
+
+
+class KernelModuleLoaded(FactBase):
+    """Which of the given kernel modules are loaded (from /proc/modules)."""
+
+    default = dict
+
+    def command(self, names: tuple[str, ...]) -> str:
+        return "cat /proc/modules 2>/dev/null || true"
+
+    def process(self, output):
+        return {line.split()[0] for line in output if line.strip()}
+
+
+class ServerProbe(FactBase):
+    """Health and one short completion of a running llama-server, from the host itself.
+
+    .. code:: python
+
+        {"health": 200, "completion_ok": True, "tokens_per_second": 812.4}
+    """
+
+    def command(self, base_url: str) -> str:
+        body = '{"prompt": "Hello", "n_predict": 4, "temperature": 0}'
+        return (
+            f"curl -s -o /dev/null -w '%{{http_code}}\\n' {base_url}/health || echo 000; "
+            f"curl -sf -H 'Content-Type: application/json' -d '{body}' "
+            f"{base_url}/completion || true"
+        )
+
+    def process(self, output):
+        lines = list(output)
+        health = int(lines[0]) if lines and lines[0].strip().isdigit() else 0
+        try:
+            answer = json.loads("\n".join(lines[1:])) if len(lines) > 1 else None
+        except json.JSONDecodeError:
+            answer = None
+        completion_ok = isinstance(answer, dict) and "content" in answer
+        timings = (answer or {}).get("timings", {}) if completion_ok else {}
+        return {
+            "health": health,
+            "completion_ok": completion_ok,
+            "tokens_per_second": timings.get("predicted_per_second"),
+        }

@@ -1,0 +1,229 @@
+"""Custom pyinfra operations. Each reads facts and yields only the commands needed, so a second
+run with nothing to do yields nothing (and pyinfra counts it as unchanged)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+from pyinfra import host
+from pyinfra.api import operation
+from pyinfra.facts.files import File, Sha256File
+from pyinfra.facts.git import GitLocalCommit
+
+from llamarig.facts import JsonFile
+
+
+@operation()
+def git_commit(repo: str, path: str, commit: str):
+    """
+    Check out one exact commit of a git repository (cloning or fetching only when needed).
+
+    + repo: URL of the remote (https, git, ssh or file)
+    + path: the working tree on the host
+    + commit: full 40-hex commit id
+
+    pyinfra's ``git.repo`` has no commit argument and re-checks out a tag on every run; this
+    compares HEAD with the commit and does nothing when they match.
+
+    **Example:**
+
+    .. code:: python
+
+        git_commit(
+            name="llama.cpp at the pinned commit",
+            repo="https://github.com/ggml-org/llama.cpp.git",
+            path="/opt/llamarig/src/llama.cpp",
+            commit="0c1e57098bba43ac29e6e3b677cdceebdd22334f",
+        )
+    """
+    head = host.get_fact(GitLocalCommit, repo=path)
+    if head == commit:
+        host.noop(f"{path} is at {commit[:12]}")
+        return
+    q_path, q_repo, q_commit = shlex.quote(path), shlex.quote(repo), shlex.quote(commit)
+    git = f"git -C {q_path}"
+    yield f"mkdir -p {q_path} && {git} init -q"
+    yield f"{git} remote remove origin 2>/dev/null; {git} remote add origin {q_repo}"
+    # Fetching one commit by id is cheapest; servers that refuse it get a full fetch.
+    yield f"{git} fetch -q --depth 1 origin {q_commit} || {git} fetch -q --tags origin"
+    yield f"{git} -c advice.detachedHead=false checkout -q --force {q_commit}"
+    yield f"{git} clean -q -ffdx"
+
+
+@operation()
+def cmake_build(
+    source: str,
+    build_dir: str,
+    configure: list[str],
+    build: list[str],
+    manifest: dict,
+    marker: str,
+    ccache_dir: str | None = None,
+):
+    """
+    Configure and build a CMake project into its own directory, once.
+
+    + source: the source tree
+    + build_dir: the build directory (keyed by commit and options, so it is never reused for
+      another recipe)
+    + configure: the ``cmake -S ... -B ...`` command
+    + build: the ``cmake --build ...`` command
+    + manifest: JSON-able description of the build, written to ``marker`` on success
+    + marker: file whose presence (with the same manifest) means the build is complete
+    + ccache_dir: compiler cache directory shared by builds
+
+    A build that fails or is interrupted leaves no marker, so the next run builds again and
+    cmake resumes from the objects already compiled.
+
+    **Example:**
+
+    .. code:: python
+
+        cmake_build(
+            source="/opt/llamarig/src/llama.cpp",
+            build_dir="/opt/llamarig/builds/0c1e57098bba-1a2b3c4d5e",
+            configure=["cmake", "-S", "...", "-B", "...", "-DGGML_CUDA=ON"],
+            build=["cmake", "--build", "...", "--target", "llama-server"],
+            manifest={"commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f"},
+            marker="/opt/llamarig/builds/0c1e57098bba-1a2b3c4d5e/.llamarig-build.json",
+        )
+    """
+    if host.get_fact(JsonFile, path=marker) == manifest:
+        host.noop(f"build {build_dir} is complete")
+        return
+    environment = ""
+    if ccache_dir:
+        environment = f"CCACHE_DIR={shlex.quote(ccache_dir)} "
+        yield f"mkdir -p {shlex.quote(ccache_dir)}"
+    yield f"mkdir -p {shlex.quote(build_dir)}"
+    yield environment + shlex.join(configure)
+    yield environment + shlex.join(build)
+    content = shlex.quote(json.dumps(manifest, indent=2, sort_keys=True))
+    yield f"printf '%s\\n' {content} > {shlex.quote(marker)}"
+
+
+@operation()
+def fetch_checked(url: str, dest: str, sha256: str):
+    """
+    Download a file resumably and move it into place only when its sha256 matches.
+
+    + url: http(s) URL
+    + dest: final path on the host
+    + sha256: expected digest (lowercase hex)
+
+    The download goes to ``dest.part`` (resumed with HTTP ranges after an interruption). A
+    complete download with the wrong digest is deleted and the operation fails; the file at
+    ``dest`` is only ever replaced by one that matches.
+
+    **Example:**
+
+    .. code:: python
+
+        fetch_checked(
+            url="https://example.org/model.gguf",
+            dest="/opt/llamarig/models/model.gguf",
+            sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
+        )
+    """
+    if host.get_fact(Sha256File, path=dest) == sha256:
+        host.noop(f"{dest} matches its sha256")
+        return
+    part = shlex.quote(dest + ".part")
+    q_dest, q_url = shlex.quote(dest), shlex.quote(url)
+    yield f"mkdir -p $(dirname {q_dest})"
+    # curl exits 33 when the server cannot resume; then start the part over.
+    yield (
+        f"curl -fsSL --retry 3 -C - -o {part} {q_url} || "
+        f"{{ rc=$?; [ $rc -eq 33 ] || exit $rc; rm -f {part}; "
+        f"curl -fsSL --retry 3 -o {part} {q_url}; }}"
+    )
+    yield (
+        f"actual=$(sha256sum {part} | cut -d' ' -f1); "
+        f'if [ "$actual" != {sha256} ]; then rm -f {part}; '
+        f'echo "sha256 mismatch for {url}: got $actual, expected {sha256};'
+        f' the download was discarded" >&2; exit 1; fi'
+    )
+    yield f"chmod 0644 {part} && mv -f {part} {q_dest}"
+
+
+@operation()
+def check_file(path: str, sha256: str | None = None):
+    """
+    Require a file already on the host, optionally with a given sha256; never changes it.
+
+    + path: absolute path
+    + sha256: expected digest, or None to only require the file
+
+    **Example:**
+
+    .. code:: python
+
+        check_file(path="/srv/models/qwen.gguf", sha256=None)
+    """
+    if sha256 is None:
+        if host.get_fact(File, path=path):
+            host.noop(f"{path} exists")
+            return
+        yield fail_command(f"model file {path} does not exist on the host")
+        return
+    actual = host.get_fact(Sha256File, path=path)
+    if actual == sha256:
+        host.noop(f"{path} matches its sha256")
+        return
+    found = "does not exist" if actual is None else f"has sha256 {actual}"
+    yield fail_command(f"model file {path} {found}; expected sha256 {sha256}")
+
+
+def fail_command(message: str) -> str:
+    return f"echo {shlex.quote('llamarig: ' + message)} >&2; exit 1"
+
+
+@operation(is_idempotent=False)
+def fail(message: str):
+    """
+    Stop the run on this host with a message (for a check that found the host wrong).
+
+    + message: what is wrong and what to do about it
+    """
+    yield fail_command(message)
+
+
+@operation(is_idempotent=False)
+def wait_until_serving(base_url: str, service: str, timeout: int, completion: bool = True):
+    """
+    Wait until llama-server answers ``/health`` with 200, then (optionally) serve one short
+    completion; on timeout or failure print the unit's last journal lines and fail.
+
+    + base_url: e.g. ``http://127.0.0.1:8080``
+    + service: systemd unit name, for the journal on failure
+    + timeout: seconds to wait for health
+    + completion: also require a 4-token completion to succeed
+
+    Only call it when something was (re)started (guard it with ``_if=``): it always runs.
+    """
+    script = f"""
+deadline=$(( $(date +%s) + {int(timeout)} ))
+journal() {{ journalctl -u {shlex.quote(service)} -n 30 --no-pager -o cat >&2; }}
+until [ "$(curl -s -o /dev/null -w '%{{http_code}}' {base_url}/health)" = 200 ]; do
+  if ! systemctl is-active -q {shlex.quote(service)} && \
+     [ "$(systemctl show -P ActiveState {shlex.quote(service)})" = failed ]; then
+    echo "llamarig: {service} failed to start; its last journal lines:" >&2; journal; exit 1
+  fi
+  if [ $(date +%s) -ge $deadline ]; then
+    echo "llamarig: {base_url}/health not ready after {int(timeout)} s;" \
+      "last journal lines of {service}:" >&2; journal; exit 1
+  fi
+  sleep 1
+done
+"""
+    if completion:
+        script += f"""
+body='{{"prompt": "Hello", "n_predict": 4, "temperature": 0}}'
+answer=$(curl -sf -H 'Content-Type: application/json' -d "$body" {base_url}/completion) || {{
+  echo "llamarig: {base_url}/completion failed; last journal lines:" >&2; journal; exit 1; }}
+echo "$answer" | grep -q '"content"' || {{
+  echo "llamarig: unexpected completion answer: $answer" >&2; exit 1; }}
+echo "llamarig: {service} serves at {base_url}"
+"""
+    yield script.strip()

@@ -1,0 +1,291 @@
+"""Pure rendering of a rig's build and server configuration from validated rig data.
+
+Everything the deploy writes to a host (cmake command, llama-server arguments, systemd unit,
+environment file) comes from here, so it is unit-tested without a host and the deploy, the
+`llamarig` CLI and the tests all see the same values.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shlex
+from pathlib import PurePosixPath
+from typing import Any
+
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+
+from llamarig import PROJECT_DIR
+from llamarig.config import model_filename
+from llamarig.hardware import cuda_architectures
+
+TEMPLATES_DIR = PROJECT_DIR / "files"
+BUILD_COMPLETE_MARKER = ".llamarig-build.json"
+
+
+def nvcc_path(data: dict) -> str | None:
+    """The nvcc the build uses, or None for a CPU build."""
+    if data["llama_cpp"]["backend"] != "cuda":
+        return None
+    cuda = data["cuda"]
+    if cuda["nvcc"] != "auto":
+        return cuda["nvcc"]
+    if cuda["source"] == "distro":
+        return "/usr/bin/nvcc"
+    return f"/usr/local/cuda-{cuda['version']}/bin/nvcc"
+
+
+def cuda_arch_list(data: dict) -> str | None:
+    if data["llama_cpp"]["backend"] != "cuda":
+        return None
+    configured = data["llama_cpp"]["cuda_architectures"]
+    if configured != "auto":
+        return configured
+    return cuda_architectures(gpu["compute_capability"] for gpu in data["gpus"])
+
+
+def _cmake_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "ON" if value else "OFF"
+    return str(value)
+
+
+def cmake_options(data: dict) -> dict[str, str]:
+    """CMake cache entries of the build: llamarig's choices, then the user's on top."""
+    llama_cpp = data["llama_cpp"]
+    options: dict[str, str] = {}
+    if llama_cpp["backend"] == "cuda":
+        options.update(
+            GGML_CUDA="ON",
+            # The build host's own GPUs are not the target's: never let CMake ask them.
+            GGML_NATIVE="OFF",
+            CMAKE_CUDA_ARCHITECTURES=cuda_arch_list(data),
+            CMAKE_CUDA_COMPILER=nvcc_path(data),
+        )
+    else:
+        options["GGML_CUDA"] = "OFF"
+    options["GGML_CCACHE"] = _cmake_value(llama_cpp["ccache"])
+    options.update({key: _cmake_value(value) for key, value in llama_cpp["cmake_options"].items()})
+    return options
+
+
+def build_id(data: dict) -> str:
+    """Directory name of a build: commit plus a digest of everything that changes the output."""
+    llama_cpp = data["llama_cpp"]
+    recipe = {"options": cmake_options(data), "targets": sorted(llama_cpp["targets"])}
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{llama_cpp['commit'][:12]}-{digest}"
+
+
+def layout(data: dict) -> dict[str, str]:
+    """Paths on the host."""
+    prefix = PurePosixPath(data["paths"]["prefix"])
+    build_dir = prefix / "builds" / build_id(data)
+    return {
+        "source": str(prefix / "src" / "llama.cpp"),
+        "builds": str(prefix / "builds"),
+        "build": str(build_dir),
+        "build_marker": str(build_dir / BUILD_COMPLETE_MARKER),
+        "current": str(prefix / "current"),
+        "server_binary": str(prefix / "current" / "bin" / "llama-server"),
+        "model": data["model"]["path"]
+        or str(PurePosixPath(data["paths"]["models"]) / model_filename(data)),
+        "unit": f"/etc/systemd/system/{data['server']['service']}.service",
+        "env_file": data["paths"]["env_file"],
+    }
+
+
+def cmake_configure_command(data: dict) -> list[str]:
+    paths = layout(data)
+    options = cmake_options(data)
+    return ["cmake", "-S", paths["source"], "-B", paths["build"], "-G", "Ninja"] + [
+        f"-D{key}={value}" for key, value in options.items()
+    ]
+
+
+def cmake_build_command(data: dict) -> list[str]:
+    jobs = data["llama_cpp"]["jobs"]
+    command = ["cmake", "--build", layout(data)["build"], "--target", *data["llama_cpp"]["targets"]]
+    if jobs:
+        command += ["--parallel", str(jobs)]
+    return command
+
+
+def build_manifest(data: dict) -> dict:
+    """What a finished build records next to its binaries (and `llamarig verify` compares)."""
+    return {
+        "commit": data["llama_cpp"]["commit"],
+        "repo": data["llama_cpp"]["repo"],
+        "cmake_options": cmake_options(data),
+        "targets": data["llama_cpp"]["targets"],
+    }
+
+
+def server_args(data: dict) -> list[str]:
+    """The complete llama-server command line (without secrets, which go through files)."""
+    server = data["server"]
+    gpu = data["llama_cpp"]["backend"] == "cuda"
+    paths = layout(data)
+    # Short flags, as in llama.cpp's docs and the seed articles.
+    args = [
+        paths["server_binary"],
+        "-m",
+        paths["model"],
+        "--host",
+        server["host"],
+        "--port",
+        str(server["port"]),
+        "-c",
+        str(server["ctx"]),
+        "-np",
+        str(server["parallel"]),
+        "-b",
+        str(server["batch"]),
+        "-ub",
+        str(server["ubatch"]),
+        "-ctk",
+        server["cache_type_k"],
+        "-ctv",
+        server["cache_type_v"],
+        "-lm",
+        server["load_mode"],
+    ]
+    if gpu:
+        args += ["-ngl", str(server["gpu_layers"]), "-sm", server["split_mode"]]
+        if data["gpus"]:
+            args += ["-dev", ",".join(cuda_device_names(data["gpus"]))]
+        if server["tensor_split"] is not None:
+            args += ["-ts", ",".join(_number(share) for share in server["tensor_split"])]
+    flash_attn = "on" if server["split_mode"] == "tensor" else server["flash_attn"]
+    args += ["-fa", flash_attn]
+    if server["split_mode"] == "tensor":
+        # --fit is not implemented for tensor mode: the context is sized explicitly.
+        args += ["-fit", "off"]
+    if server["kv_unified"]:
+        args.append("-kvu")
+    if server["threads"]:
+        args += ["-t", str(server["threads"])]
+    if server["spec"]["type"]:
+        args += ["--spec-type", ",".join(server["spec"]["type"])]
+    if server["spec"]["draft_max"] is not None:
+        args += ["--spec-draft-n-max", str(server["spec"]["draft_max"])]
+    if server["chat_template_kwargs"]:
+        kwargs = json.dumps(server["chat_template_kwargs"], separators=(",", ":"), sort_keys=True)
+        args += ["--chat-template-kwargs", kwargs]
+    if server["metrics"]:
+        args.append("--metrics")
+    args += server["extra_args"]
+    return args
+
+
+def _pci_sort_key(bus_id: str) -> tuple[int, ...]:
+    domain, bus, rest = (["0000"] + bus_id.split(":"))[-3:]
+    device, function = rest.split(".")
+    return tuple(int(part, 16) for part in (domain, bus, device, function))
+
+
+def cuda_device_names(gpus: list[dict]) -> list[str]:
+    """CUDA device names of the declared GPUs, in the order they are declared.
+
+    The service runs with CUDA_DEVICE_ORDER=PCI_BUS_ID, so CUDA numbers GPUs by PCI bus id,
+    as nvidia-smi does. `--device` lists them in declaration order, which is the order
+    `tensor_split` follows; without bus ids the declaration is taken to be in bus order.
+    """
+    if not all(gpu.get("pci_bus_id") for gpu in gpus):
+        return [f"CUDA{index}" for index in range(len(gpus))]
+    by_bus = sorted(range(len(gpus)), key=lambda i: _pci_sort_key(gpus[i]["pci_bus_id"]))
+    cuda_index = {declared: rank for rank, declared in enumerate(by_bus)}
+    return [f"CUDA{cuda_index[declared]}" for declared in range(len(gpus))]
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
+
+
+def systemd_quote(arg: str) -> str:
+    """Quote one argument for an ExecStart= line (systemd's own rules, not the shell's)."""
+    escaped = arg.replace("%", "%%").replace("$", "$$")
+    if escaped and all(ch.isalnum() or ch in "-_./:,=+@" for ch in escaped):
+        return escaped
+    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def service_environment(data: dict) -> dict[str, str]:
+    service = data["server"]["service"]
+    environment = {
+        # State and cache directories of the unit: llama.cpp needs a writable HOME/cache.
+        "HOME": f"/var/lib/{service}",
+        "LLAMA_CACHE": f"/var/cache/{service}",
+    }
+    if data["llama_cpp"]["backend"] == "cuda":
+        # -ts, --device and nvidia-smi must agree on GPU numbering (PCI bus order).
+        environment["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
+    environment.update({key: _cmake_value(value) for key, value in data["server"]["env"].items()})
+    return environment
+
+
+def _templates() -> Environment:
+    return Environment(
+        loader=FileSystemLoader(str(TEMPLATES_DIR)),
+        undefined=StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+
+
+def unit_context(data: dict) -> dict:
+    """Variables of files/llama-server.service.j2."""
+    server = data["server"]
+    paths = layout(data)
+    return {
+        "service": server["service"],
+        "exec_start": " ".join(systemd_quote(arg) for arg in server_args(data)),
+        "env_file": paths["env_file"],
+        "gpu": data["llama_cpp"]["backend"] == "cuda",
+        "mlock": "mlock" in server["load_mode"],
+        "models_dir": data["paths"]["models"],
+        "prefix": data["paths"]["prefix"],
+    }
+
+
+def render_unit(data: dict) -> str:
+    return _templates().get_template("llama-server.service.j2").render(**unit_context(data))
+
+
+def render_env_file(data: dict) -> str:
+    return (
+        _templates()
+        .get_template("llama-server.env.j2")
+        .render(environment=service_environment(data))
+    )
+
+
+def shell_join(args: list[str]) -> str:
+    return shlex.join(args)
+
+
+NVIDIA_KEYRING = "/usr/share/keyrings/cuda-archive-keyring.gpg"
+
+
+def render_file(template: str, **variables: Any) -> str:
+    """Render one of the templates in files/."""
+    return _templates().get_template(template).render(**variables)
+
+
+def nvidia_keyring_url(data: dict, distribution_dir: str) -> str:
+    repo = data["nvidia_repo"]
+    return (
+        f"{repo['url']}/{distribution_dir}/x86_64/"
+        f"{repo['keyring_package']}_{repo['keyring_version']}_all.deb"
+    )
+
+
+def base_url(data: dict) -> str:
+    """Where the deploy host reaches the server (a wildcard address is reached on loopback)."""
+    host = data["server"]["host"]
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{data['server']['port']}"

@@ -1,0 +1,69 @@
+"""NVIDIA driver: the open kernel modules from the chosen source, or a preinstalled driver
+checked against the version floors of the GPUs and the toolkit."""
+
+from pyinfra import host
+from pyinfra.facts.server import KernelVersion, LinuxDistribution
+from pyinfra.operations import apt
+
+from llamarig import stage
+from llamarig.facts import NvidiaSmiGpus
+from llamarig.hardware import check_versions
+from llamarig.platform import is_debian
+
+rig = stage.rig()
+driver = rig["driver"]
+driver_gpus = host.get_fact(NvidiaSmiGpus)
+running_version = driver_gpus[0]["driver_version"] if driver_gpus else None
+compute_capabilities = [gpu["compute_capability"] for gpu in (driver_gpus or rig["gpus"])]
+
+
+def floor_problems(driver_version):
+    return check_versions(
+        compute_capabilities,
+        cuda_version=rig["cuda"]["version"] if rig["cuda"]["source"] != "none" else None,
+        driver_version=driver_version,
+        open_modules=driver["open"],
+        driver_source=driver["source"],
+        cuda_source=rig["cuda"]["source"],
+    )
+
+
+if driver["source"] == "none":
+    host.noop("no NVIDIA driver wanted (CPU-only rig)")
+elif driver["source"] == "preinstalled":
+    if driver_gpus is None or not driver_gpus:
+        stage.refuse(
+            [
+                "driver.source is `preinstalled` but nvidia-smi does not answer; install the "
+                "driver (or choose source nvidia-repo/distro) and reboot"
+            ]
+        )
+    problems = floor_problems(running_version)
+    if problems:
+        stage.refuse(problems)
+    host.noop(f"preinstalled driver {running_version} meets the floors of GPUs and toolkit")
+elif running_version and not floor_problems(running_version):
+    host.noop(
+        f"driver {running_version} is already installed and meets the floors; not reinstalled"
+    )
+else:
+    problems = floor_problems(None)
+    if problems:
+        stage.refuse(problems)
+    headers = f"linux-headers-{host.get_fact(KernelVersion)}"
+    if driver["source"] == "nvidia-repo":
+        packages = ["nvidia-open" if driver["open"] else "cuda-drivers", headers]
+    elif is_debian(host.get_fact(LinuxDistribution)):
+        packages = ["nvidia-open-kernel-dkms", "nvidia-driver", "firmware-nvidia-gsp", headers]
+    else:
+        branch = driver["branch"]
+        suffix = "-open" if driver["open"] else ""
+        packages = [f"nvidia-driver-{branch}{suffix}", f"nvidia-utils-{branch}", headers]
+    stage.record(
+        "reboot",
+        apt.packages(
+            name=f"NVIDIA driver ({driver['source']}, branch {driver['branch']})",
+            packages=packages,
+            no_recommends=True,
+        ),
+    )

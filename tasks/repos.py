@@ -1,0 +1,85 @@
+"""Package repositories: NVIDIA's CUDA repository (keyring + deb822 source + branch pin) or the
+distribution's non-free components, then one apt update when needed."""
+
+from io import StringIO
+
+from pyinfra import host
+from pyinfra.facts.deb import DebPackages
+from pyinfra.facts.server import LinuxDistribution
+from pyinfra.operations import apt, files, server
+
+from llamarig import render, stage
+from llamarig.platform import codename, is_debian, nvidia_repo_dir
+
+rig = stage.rig()
+distribution = host.get_fact(LinuxDistribution)
+sources = [rig["driver"]["source"], rig["cuda"]["source"]]
+source_ops = []
+
+if "nvidia-repo" in sources:
+    repo_dir = nvidia_repo_dir(distribution)
+    keyring = rig["nvidia_repo"]["keyring_package"]
+    installed = host.get_fact(DebPackages).get(keyring, [])
+    if rig["nvidia_repo"]["keyring_version"] not in installed:
+        source_ops.append(
+            server.shell(
+                name=f"Install {keyring} {rig['nvidia_repo']['keyring_version']}",
+                commands=[
+                    "curl -fsSL -o /tmp/llamarig-keyring.deb "
+                    + render.nvidia_keyring_url(rig, repo_dir),
+                    "dpkg -i /tmp/llamarig-keyring.deb && rm -f /tmp/llamarig-keyring.deb",
+                ],
+            )
+        )
+    # The keyring package also drops a one-line .list; the deb822 file below replaces it.
+    source_ops.append(
+        files.file(
+            name="Remove the keyring package's duplicate source list",
+            path=f"/etc/apt/sources.list.d/cuda-{repo_dir}-x86_64.list",
+            present=False,
+        )
+    )
+    source_ops.append(
+        files.put(
+            name="NVIDIA CUDA repository (deb822, Signed-By its keyring)",
+            src=StringIO(
+                render.render_file(
+                    "nvidia-cuda.sources.j2",
+                    url=rig["nvidia_repo"]["url"],
+                    distribution_dir=repo_dir,
+                    keyring=render.NVIDIA_KEYRING,
+                )
+            ),
+            dest="/etc/apt/sources.list.d/llamarig-nvidia-cuda.sources",
+            mode="644",
+        )
+    )
+    source_ops.append(
+        files.put(
+            name=f"Pin the NVIDIA driver to branch {rig['driver']['branch']}",
+            src=StringIO(render.render_file("apt-preferences.j2", branch=rig["driver"]["branch"])),
+            dest="/etc/apt/preferences.d/llamarig-nvidia-driver",
+            mode="644",
+        )
+    )
+
+if "distro" in sources and is_debian(distribution):
+    source_ops.append(
+        files.put(
+            name="Debian contrib and non-free components",
+            src=StringIO(
+                render.render_file(
+                    "debian-nonfree.sources.j2",
+                    mirror="http://deb.debian.org/debian",
+                    suite=codename(distribution),
+                )
+            ),
+            dest="/etc/apt/sources.list.d/llamarig-debian-nonfree.sources",
+            mode="644",
+        )
+    )
+
+if any(operation.will_change for operation in source_ops):
+    apt.update(name="Update apt lists (repositories changed)")
+else:
+    apt.update(name="Update apt lists (older than an hour)", cache_time=3600)

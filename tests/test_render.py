@@ -1,0 +1,138 @@
+"""What the deploy writes for a rig: cmake command, llama-server arguments, unit and env file."""
+
+import copy
+import shlex
+
+import pytest
+
+from llamarig import render
+from llamarig.config import load_inventory
+from tests.conftest import PROJECT
+
+
+@pytest.fixture
+def seed_rig() -> dict:
+    inventory = load_inventory(PROJECT / "inventory" / "example-5080-3090.yml")
+    return inventory.hosts["rig1"].data
+
+
+@pytest.fixture
+def sandbox_rig() -> dict:
+    return load_inventory(PROJECT / "inventory" / "hosts.yml").hosts["sandbox"].data
+
+
+def flag_value(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_seed_rig_server_flags(seed_rig):
+    args = render.server_args(seed_rig)
+    assert args[0] == "/opt/llamarig/current/bin/llama-server"
+    assert (flag_value(args, "-sm"), flag_value(args, "-ts")) == ("tensor", "2,3")
+    assert flag_value(args, "--spec-type") == "ngram-mod,draft-mtp"
+    assert flag_value(args, "--spec-draft-n-max") == "3"
+    assert (flag_value(args, "-ctk"), flag_value(args, "-ctv")) == ("q8_0", "q8_0")
+    assert "-kvu" in args
+    assert flag_value(args, "-lm") == "none"
+    assert "--no-mmap" not in args and "--draft-max" not in args
+    assert flag_value(args, "-c") == "229376"
+    assert (flag_value(args, "-fa"), flag_value(args, "-fit")) == ("on", "off")
+    assert flag_value(args, "--chat-template-kwargs") == '{"preserve_thinking":true}'
+    assert args[-2:] == ["--repeat-penalty", "1.0"]
+
+
+def test_seed_rig_devices_follow_declaration_not_slot_order(seed_rig):
+    # The 5080 (bus 07) is declared first, the 3090 (bus 01) second: with CUDA_DEVICE_ORDER=
+    # PCI_BUS_ID the 3090 is CUDA0, so the 2 share lands on the 5080 as the seed intended.
+    args = render.server_args(seed_rig)
+    assert flag_value(args, "-dev") == "CUDA1,CUDA0"
+    assert render.service_environment(seed_rig)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_devices_without_bus_ids_are_in_declared_order():
+    gpus = [{"name": "a"}, {"name": "b"}, {"name": "c"}]
+    assert render.cuda_device_names(gpus) == ["CUDA0", "CUDA1", "CUDA2"]
+
+
+def test_seed_rig_cmake(seed_rig):
+    command = render.cmake_configure_command(seed_rig)
+    assert command[:2] == ["cmake", "-S"]
+    options = dict(arg[2:].split("=", 1) for arg in command if arg.startswith("-D"))
+    assert options["CMAKE_CUDA_ARCHITECTURES"] == "86-real;120a-real"
+    assert options["GGML_CUDA_NCCL"] == "OFF"
+    assert options["GGML_CUDA_FA_QUANTS"] == "all"
+    assert "GGML_CUDA_FA_ALL_QUANTS" not in options
+    assert options["GGML_CUDA"] == "ON" and options["GGML_NATIVE"] == "OFF"
+    assert options["CMAKE_CUDA_COMPILER"] == "/usr/local/cuda-13.0/bin/nvcc"
+    assert render.cmake_build_command(seed_rig)[-3:] == ["--target", "llama-server", "llama-bench"]
+
+
+def test_cpu_rig_has_no_gpu_flags(sandbox_rig):
+    args = render.server_args(sandbox_rig)
+    assert not {"-sm", "-ts", "-ngl", "-dev", "-fit"} & set(args)
+    assert render.cmake_options(sandbox_rig)["GGML_CUDA"] == "OFF"
+    assert "CUDA_DEVICE_ORDER" not in render.service_environment(sandbox_rig)
+
+
+def test_build_id_tracks_commit_and_options_only(seed_rig):
+    other = copy.deepcopy(seed_rig)
+    other["server"]["ctx"] = 4096
+    assert render.build_id(other) == render.build_id(seed_rig)
+    other["llama_cpp"]["commit"] = "1" * 40
+    assert render.build_id(other) != render.build_id(seed_rig)
+    assert render.build_id(other).startswith("111111111111-")
+    other = copy.deepcopy(seed_rig)
+    other["llama_cpp"]["cmake_options"]["GGML_CUDA_NCCL"] = True
+    assert render.build_id(other) != render.build_id(seed_rig)
+
+
+def test_unit_is_hardened_and_runs_the_rendered_command(seed_rig):
+    unit = render.render_unit(seed_rig)
+    exec_line = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    # Without % or $ in the arguments, systemd's quoting reads back like the shell's.
+    assert shlex.split(exec_line.removeprefix("ExecStart=")) == render.server_args(seed_rig)
+    for setting in (
+        "DynamicUser=yes",
+        "ProtectSystem=strict",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "NoNewPrivileges=yes",
+        "CapabilityBoundingSet=\n",
+        "RestrictAddressFamilies=AF_UNIX AF_INET AF_INET6",
+        "SystemCallFilter=@system-service",
+        "DevicePolicy=closed",
+        "DeviceAllow=char-nvidia-uvm rw",
+        "Restart=on-failure",
+        "EnvironmentFile=/etc/llamarig/llama-server.env",
+    ):
+        assert setting in unit
+
+
+def test_cpu_unit_allows_no_devices(sandbox_rig):
+    unit = render.render_unit(sandbox_rig)
+    assert "DevicePolicy=closed" in unit and "DeviceAllow" not in unit
+    assert "LimitMEMLOCK" not in unit
+
+
+@pytest.mark.parametrize(
+    ("arg", "quoted"),
+    [
+        ("-c", "-c"),
+        ("/opt/x/llama-server", "/opt/x/llama-server"),
+        ('{"a":1}', '"{\\"a\\":1}"'),
+        ("100%", '"100%%"'),
+        ("$HOME", '"$$HOME"'),
+        ("two words", '"two words"'),
+        ("", '""'),
+    ],
+)
+def test_systemd_quote(arg, quoted):
+    assert render.systemd_quote(arg) == quoted
+
+
+def test_env_file_quotes_values(sandbox_rig):
+    rig = copy.deepcopy(sandbox_rig)
+    rig["server"]["env"] = {"GREETING": 'say "hi"'}
+    text = render.render_env_file(rig)
+    assert 'GREETING="say \\"hi\\""' in text
+    assert 'LLAMA_CACHE="/var/cache/llama-server"' in text
