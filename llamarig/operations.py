@@ -60,6 +60,7 @@ def cmake_build(
     manifest: dict,
     marker: str,
     ccache_dir: str | None = None,
+    ccache_basedir: str | None = None,
 ):
     """
     Configure and build a CMake project into its own directory, once.
@@ -72,6 +73,8 @@ def cmake_build(
     + manifest: JSON-able description of the build, written to ``marker`` on success
     + marker: file whose presence (with the same manifest) means the build is complete
     + ccache_dir: compiler cache directory shared by builds
+    + ccache_basedir: paths under it are hashed relative, so builds in sibling directories
+      (another commit, other options) hit the cache for unchanged sources
 
     A build that fails or is interrupted leaves no marker, so the next run builds again and
     cmake resumes from the objects already compiled.
@@ -95,6 +98,8 @@ def cmake_build(
     environment = ""
     if ccache_dir:
         environment = f"CCACHE_DIR={shlex.quote(ccache_dir)} "
+        if ccache_basedir:
+            environment += f"CCACHE_BASEDIR={shlex.quote(ccache_basedir)} CCACHE_NOHASHDIR=1 "
         yield f"mkdir -p {shlex.quote(ccache_dir)}"
     yield f"mkdir -p {shlex.quote(build_dir)}"
     yield environment + shlex.join(configure)
@@ -131,7 +136,6 @@ def fetch_checked(url: str, dest: str, sha256: str):
         return
     part = shlex.quote(dest + ".part")
     q_dest, q_url = shlex.quote(dest), shlex.quote(url)
-    yield f"mkdir -p $(dirname {q_dest})"
     # curl exits 33 when the server cannot resume; then start the part over.
     yield (
         f"curl -fsSL --retry 3 -C - -o {part} {q_url} || "

@@ -39,6 +39,7 @@ operations.cmake_build(
     manifest=render.build_manifest(rig),
     marker=paths["build_marker"],
     ccache_dir=rig["paths"]["ccache"] if llama_cpp["ccache"] else None,
+    ccache_basedir=rig["paths"]["prefix"],
 )
 stage.record(
     "server",

@@ -1,0 +1,33 @@
+# Two commands for a newcomer on a fresh Debian/Ubuntu machine (as root):
+#   make demo   - virtualenv, sandbox rig, deploy, then an endpoint and a sample completion
+#   make test   - everything the tests need, then all tests
+VENV ?= .venv
+PYTHON ?= python3
+BIN = $(VENV)/bin
+INSTALLED = $(VENV)/.installed
+
+.PHONY: demo test test-fast lint clean-sandbox
+
+$(INSTALLED): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
+
+demo: $(INSTALLED)
+	$(BIN)/llamarig sandbox up
+	RIG_INVENTORY=inventory/hosts.yml $(BIN)/pyinfra -y inventory.py deploy.py
+	RIG_INVENTORY=inventory/hosts.yml $(BIN)/llamarig complete
+
+lint: $(INSTALLED)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test-fast: $(INSTALLED) lint
+	$(BIN)/pytest -m "not sandbox" -rs
+
+test: $(INSTALLED) lint
+	$(BIN)/pytest -rs --durations=15
+
+clean-sandbox: $(INSTALLED)
+	$(BIN)/llamarig sandbox down

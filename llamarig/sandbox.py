@@ -1,0 +1,969 @@
+"""The sandbox rig: a Debian system booted with systemd-nspawn that llamarig can converge over SSH.
+
+A sandbox shares the host's network. Its sshd listens on 127.0.0.1:<ssh port>, and two services
+on the host stand in for the internet: a file server with the test model (the "model hub") and a
+git daemon with a llama.cpp mirror at the pinned commit. Everything lives under CACHE_DIR:
+
+    roots/<release>        pristine debootstrap root, built once, never booted
+    run/<name>             working copy of it that a sandbox boots (.pid: supervisor, .log)
+    sandbox/               SSH client key; sandbox/<name>/: known_hosts and state
+    downloads/ mirror/     llama.cpp source (PyPI sdist) and its bare git mirror
+    www/                   files the file server serves (the test model)
+    services/              pid and log files of the file server and git daemon
+    apt-archives/<release> ccache/<release>   bound into sandboxes so rebuilds are cheap
+
+CLI: `llamarig sandbox up|down|status [--release R] [--name N] [--ssh-port P] ...`.
+"""
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from llamarig import CACHE_DIR
+from llamarig.testmodel import sha256_file, write_test_model
+
+RELEASES = ("trixie", "bookworm")
+DEBIAN_MIRROR = "http://deb.debian.org/debian"
+BASE_PACKAGES = "systemd-sysv,udev,dbus,openssh-server,python3,ca-certificates,kmod,iproute2,curl"
+DEFAULT_SSH_PORT = 2222
+DEFAULT_HTTP_PORT = 8765
+DEFAULT_GIT_PORT = 9418
+LOOPBACK = "127.0.0.1"
+
+# llama.cpp source: the llama-cpp-python sdist vendors the pinned tree with a shallow .git.
+LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+SDIST_NAME = "llama_cpp_python-0.3.36"
+SDIST_URL = (
+    "https://files.pythonhosted.org/packages/ec/e9/"
+    "e7de2b0463ea3ffbf0ede6cb21b58c1258a8f6521aae45ca773a59fe7cf3/"
+    "llama_cpp_python-0.3.36.tar.gz"
+)
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+VOCAB_NAME = "ggml-vocab-llama-spm.gguf"
+MODEL_NAME = "tiny-llama.gguf"
+
+ROOTS_DIR = CACHE_DIR / "roots"
+RUN_DIR = CACHE_DIR / "run"
+SANDBOX_DIR = CACHE_DIR / "sandbox"
+DOWNLOADS_DIR = CACHE_DIR / "downloads"
+MIRROR_DIR = CACHE_DIR / "mirror"
+WWW_DIR = CACHE_DIR / "www"
+SERVICES_DIR = CACHE_DIR / "services"
+APT_ARCHIVES_DIR = CACHE_DIR / "apt-archives"
+CCACHE_DIR = CACHE_DIR / "ccache"
+LLAMA_MIRROR = MIRROR_DIR / "llama.cpp.git"
+KEY_PATH = SANDBOX_DIR / "id_ed25519"
+# Where the sandbox sees the host's ccache directory (group_data's paths.ccache).
+SANDBOX_CCACHE_PATH = "/var/cache/llamarig/ccache"
+
+# systemd-nspawn exits with 133 when the container asks for a reboot.
+NSPAWN_REBOOT_EXIT = 133
+BOOT_TIMEOUT_S = 120
+SHUTDOWN_TIMEOUT_S = 60
+SERVICE_START_TIMEOUT_S = 10
+
+# Host commands the sandbox needs, and the Debian package providing each.
+HOST_COMMANDS = {
+    "debootstrap": "debootstrap",
+    "systemd-nspawn": "systemd-container",
+    "git": "git",
+    "ssh": "openssh-client",
+    "ssh-keygen": "openssh-client",
+}
+
+_NAME_PATTERN = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+
+
+class SandboxError(Exception):
+    """A failure the user can act on; the CLI prints it as one line and exits 2."""
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    """How to reach a running sandbox and what it is served."""
+
+    name: str
+    release: str
+    ssh_port: int
+    key_path: str
+    known_hosts_path: str
+    root_dir: str
+    model_url: str
+    model_sha256: str
+    git_url: str
+
+
+# --- small pure helpers (unit-tested) ---------------------------------------------------------
+
+
+def known_hosts_line(public_key: str, port: int, host: str = LOOPBACK) -> str:
+    """Render the known_hosts line pinning `public_key` (an .pub file's text) for host:port."""
+    fields = public_key.split()
+    if len(fields) < 2:
+        raise ValueError("not an OpenSSH public key")
+    host_pattern = host if port == 22 else f"[{host}]:{port}"
+    return f"{host_pattern} {fields[0]} {fields[1]}\n"
+
+
+def sshd_dropin(port: int) -> str:
+    """sshd configuration for a sandbox: key-only root login on loopback at `port`."""
+    return (
+        f"Port {port}\n"
+        f"ListenAddress {LOOPBACK}\n"
+        "PermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\n"
+    )
+
+
+def hosts_file(name: str) -> str:
+    """/etc/hosts for a sandbox whose hostname is `name`."""
+    return (
+        "127.0.0.1\tlocalhost\n"
+        f"127.0.1.1\t{name}\n"
+        "::1\tlocalhost ip6-localhost ip6-loopback\n"
+        "ff02::1\tip6-allnodes\n"
+        "ff02::2\tip6-allrouters\n"
+    )
+
+
+_STANZA_KEYWORDS = ("iface", "auto", "mapping", "source", "source-directory", "allow-")
+
+
+def drop_dhcp_stanzas(interfaces: str) -> str:
+    """Remove ifupdown `iface X inet dhcp` stanzas and the auto lines that bring them up.
+
+    Inside a sandbox sharing the host's network, DHCP would make networking.service wait for
+    minutes and then fail.
+    """
+    dhcp_interfaces = {
+        words[1]
+        for words in (line.split() for line in interfaces.splitlines())
+        if len(words) >= 4 and words[0] == "iface" and words[3] == "dhcp"
+    }
+    kept: list[str] = []
+    in_dropped_stanza = False
+    for line in interfaces.splitlines(keepends=True):
+        words = line.split()
+        if not words or words[0].startswith("#"):
+            kept.append(line)
+            continue
+        if words[0].startswith(_STANZA_KEYWORDS):
+            in_dropped_stanza = False
+        if words[0] == "iface" and words[1] in dhcp_interfaces:
+            in_dropped_stanza = True
+            continue
+        if in_dropped_stanza:
+            continue
+        if words[0] == "auto" or words[0].startswith("allow-"):
+            remaining = [word for word in words[1:] if word not in dhcp_interfaces]
+            if not remaining:
+                continue
+            if len(remaining) < len(words) - 1:
+                line = " ".join([words[0], *remaining]) + "\n"
+        kept.append(line)
+    return "".join(kept)
+
+
+def nspawn_command(name: str, release: str, root: Path) -> list[str]:
+    """The systemd-nspawn command line that boots sandbox `name` from `root`."""
+    return [
+        "systemd-nspawn",
+        "--register=no",
+        "--keep-unit",
+        "--console=passive",
+        "-b",
+        "-D",
+        str(root),
+        f"--machine={name}",
+        f"--bind={APT_ARCHIVES_DIR / release}:/var/cache/apt/archives",
+        f"--bind={CCACHE_DIR / release}:{SANDBOX_CCACHE_PATH}",
+    ]
+
+
+def model_url(http_port: int) -> str:
+    """URL of the test model on the file server, as seen from a sandbox or the host."""
+    return f"http://{LOOPBACK}:{http_port}/{MODEL_NAME}"
+
+
+def git_url(git_port: int) -> str:
+    """URL of the llama.cpp mirror on the git daemon."""
+    return f"git://{LOOPBACK}:{git_port}/{LLAMA_MIRROR.name}"
+
+
+# --- process and port helpers ------------------------------------------------------------------
+
+
+def _say(message: str) -> None:
+    print(f"sandbox: {message}", file=sys.stderr, flush=True)
+
+
+def _run(argv: list[str], what: str, **kwargs) -> subprocess.CompletedProcess:
+    """Run a command; on failure raise SandboxError naming `what` and the last error line."""
+    result = subprocess.run(argv, capture_output=True, text=True, **kwargs)
+    if result.returncode != 0:
+        lines = (result.stderr or result.stdout).strip().splitlines()
+        detail = lines[-1] if lines else f"exit status {result.returncode}"
+        raise SandboxError(f"{what} failed: {detail}")
+    return result
+
+
+def _process_cmdline(pid: int) -> list[str]:
+    """argv of a live process, or [] when there is none (or it is a zombie)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return raw.decode(errors="replace").split("\0")[:-1]
+
+
+def _read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _live_pid(pid_file: Path, *markers: str) -> int | None:
+    """The pid in `pid_file` if that process lives and its argv contains every marker.
+
+    The markers guard against a recycled pid belonging to some unrelated process.
+    """
+    pid = _read_pid(pid_file)
+    if pid is None:
+        return None
+    cmdline = _process_cmdline(pid)
+    if cmdline and all(marker in cmdline for marker in markers):
+        return pid
+    return None
+
+
+def _port_in_use(port: int) -> bool:
+    """Whether something already listens on (or holds) the loopback TCP port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # SO_REUSEADDR so connections lingering in TIME_WAIT do not count as "in use".
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((LOOPBACK, port))
+        except OSError:
+            return True
+    return False
+
+
+def _accepts_connections(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1)
+        return probe.connect_ex((LOOPBACK, port)) == 0
+
+
+def _wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def _log_tail(log_path: Path, lines: int = 5) -> str:
+    try:
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return " | ".join(line.strip() for line in tail)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a root directory tree without crossing into anything mounted inside it.
+
+    An interrupted debootstrap can leave /proc and /sys mounted in its target.
+    """
+    if not path.exists():
+        return
+    prefix = str(path.resolve()) + "/"
+    with open("/proc/self/mounts") as mounts:
+        mount_points = [line.split()[1] for line in mounts]
+    for mount_point in sorted(mount_points, key=len, reverse=True):
+        if mount_point.startswith(prefix):
+            subprocess.run(["umount", "-l", mount_point], check=False)
+    _run(["rm", "-rf", "--one-file-system", str(path)], f"removing {path}")
+
+
+@contextlib.contextmanager
+def _exclusive_lock():
+    """Serialise up/down so two invocations never build or remove the same things at once."""
+    SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
+    with open(SANDBOX_DIR / ".lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        yield
+
+
+def _require_root() -> None:
+    if os.geteuid() != 0:
+        raise SandboxError(
+            "the sandbox must be managed as root (it uses debootstrap and systemd-nspawn)"
+        )
+
+
+def _check_name(name: str) -> None:
+    if not _NAME_PATTERN.fullmatch(name):
+        raise SandboxError(
+            f"invalid sandbox name {name!r}: use lowercase letters, digits and '-' (max 63)"
+        )
+
+
+def _check_release(release: str) -> None:
+    if release not in RELEASES:
+        raise SandboxError(f"unknown release {release!r}: choose one of {', '.join(RELEASES)}")
+
+
+# --- host preparation --------------------------------------------------------------------------
+
+
+def ensure_host_tools() -> None:
+    """Install, with apt, the host packages whose commands are missing."""
+    missing = sorted({pkg for cmd, pkg in HOST_COMMANDS.items() if shutil.which(cmd) is None})
+    if not missing:
+        return
+    _say(f"installing host packages: {' '.join(missing)}")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    _run(["apt-get", "update"], "apt-get update", env=env)
+    _run(
+        ["apt-get", "install", "-y", "--no-install-recommends", *missing],
+        f"apt-get install {' '.join(missing)}",
+        env=env,
+    )
+
+
+def ensure_base_root(release: str) -> Path:
+    """Build the pristine root for `release` with debootstrap, once; return its path.
+
+    It is built in `<release>.partial` and renamed when complete, so an interrupted build is
+    started over rather than reused.
+    """
+    root = ROOTS_DIR / release
+    if root.is_dir():
+        return root
+    partial = ROOTS_DIR / f"{release}.partial"
+    log_path = ROOTS_DIR / f"{release}.log"
+    _remove_tree(partial)
+    ROOTS_DIR.mkdir(parents=True, exist_ok=True)
+    _say(f"building the {release} base root with debootstrap (a few minutes; log {log_path})")
+    started = time.monotonic()
+    with open(log_path, "w") as log:
+        result = subprocess.run(
+            [
+                "debootstrap",
+                "--variant=minbase",
+                f"--include={BASE_PACKAGES}",
+                release,
+                str(partial),
+                DEBIAN_MIRROR,
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    if result.returncode != 0:
+        raise SandboxError(
+            f"debootstrap {release} failed (exit {result.returncode}): {_log_tail(log_path, 1)}"
+            f" (full log: {log_path})"
+        )
+    _drop_dhcp_config(partial)
+    partial.rename(root)
+    _say(f"{release} base root built in {time.monotonic() - started:.0f} s")
+    return root
+
+
+def _drop_dhcp_config(root: Path) -> None:
+    network_dir = root / "etc/network"
+    for config in [network_dir / "interfaces", *sorted(network_dir.glob("interfaces.d/*"))]:
+        if config.is_file():
+            text = config.read_text()
+            cleaned = drop_dhcp_stanzas(text)
+            if cleaned != text:
+                config.write_text(cleaned)
+
+
+def ensure_ssh_key() -> Path:
+    """Generate the sandbox SSH client key pair once; return the private key's path."""
+    if not KEY_PATH.exists():
+        SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
+        _run(
+            [
+                "ssh-keygen",
+                "-q",
+                "-t",
+                "ed25519",
+                "-N",
+                "",
+                "-C",
+                "llamarig-sandbox",
+                "-f",
+                str(KEY_PATH),
+            ],
+            "ssh-keygen",
+        )
+    return KEY_PATH
+
+
+def _ensure_sdist() -> Path:
+    """Download the llama-cpp-python sdist once and verify its checksum."""
+    sdist = DOWNLOADS_DIR / f"{SDIST_NAME}.tar.gz"
+    if sdist.exists() and sha256_file(sdist) == SDIST_SHA256:
+        return sdist
+    DOWNLOADS_DIR.mkdir(parents=True, exist_ok=True)
+    partial = sdist.with_name(sdist.name + ".partial")
+    _say(f"downloading {SDIST_URL}")
+    try:
+        with urllib.request.urlopen(SDIST_URL, timeout=60) as response, open(partial, "wb") as out:
+            shutil.copyfileobj(response, out, 1 << 20)
+    except OSError as error:
+        raise SandboxError(f"downloading the llama.cpp sdist failed: {error}") from error
+    actual = sha256_file(partial)
+    if actual != SDIST_SHA256:
+        partial.unlink()
+        raise SandboxError(f"llama.cpp sdist checksum mismatch: got {actual}, want {SDIST_SHA256}")
+    partial.rename(sdist)
+    return sdist
+
+
+def ensure_llama_mirror() -> Path:
+    """Create the bare llama.cpp mirror (branch master at the pinned commit) and keep the vocab.
+
+    Returns the vocabulary GGUF's path, which the test model borrows its tokenizer from.
+    """
+    vocab = DOWNLOADS_DIR / VOCAB_NAME
+    if LLAMA_MIRROR.is_dir() and vocab.is_file():
+        return vocab
+    sdist = _ensure_sdist()
+    _say("creating the llama.cpp git mirror from the sdist")
+    vendor = f"{SDIST_NAME}/vendor/llama.cpp"
+    # Only the submodule's git dir, the .git file pointing at it, and the vocabulary are needed.
+    wanted = (
+        f"{SDIST_NAME}/.git/modules/vendor/llama.cpp/",
+        f"{vendor}/.git",
+        f"{vendor}/models/{VOCAB_NAME}",
+    )
+    MIRROR_DIR.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=CACHE_DIR, prefix="sdist-") as scratch:
+        with tarfile.open(sdist) as archive:
+            members = [
+                member
+                for member in archive
+                if member.name in wanted or member.name.startswith(wanted[0])
+            ]
+            archive.extractall(scratch, members=members, filter="data")
+        partial = MIRROR_DIR / (LLAMA_MIRROR.name + ".partial")
+        _remove_tree(partial)
+        _run(
+            ["git", "clone", "--quiet", "--bare", f"{scratch}/{vendor}", str(partial)], "git clone"
+        )
+        _pin_master(partial)
+        shutil.copyfile(f"{scratch}/{vendor}/models/{VOCAB_NAME}", vocab)
+    _remove_tree(LLAMA_MIRROR)
+    partial.rename(LLAMA_MIRROR)
+    return vocab
+
+
+def _pin_master(repo: Path) -> None:
+    """Make `master` (and HEAD) the pinned commit and drop every other ref and the origin."""
+    git = ["git", f"--git-dir={repo}"]
+    _run([*git, "update-ref", "refs/heads/master", LLAMA_CPP_COMMIT], "git update-ref")
+    _run([*git, "symbolic-ref", "HEAD", "refs/heads/master"], "git symbolic-ref")
+    refs = _run([*git, "for-each-ref", "--format=%(refname)"], "git for-each-ref").stdout.split()
+    for ref in refs:
+        if ref != "refs/heads/master":
+            _run([*git, "update-ref", "-d", ref], "git update-ref -d")
+    _run([*git, "config", "--remove-section", "remote.origin"], "git config")
+
+
+def ensure_test_model(vocab: Path) -> str:
+    """Write the test model into the served directory once; return its sha256."""
+    model = WWW_DIR / MODEL_NAME
+    checksum_file = WWW_DIR / f"{MODEL_NAME}.sha256"
+    if model.is_file() and checksum_file.is_file():
+        return checksum_file.read_text().split()[0]
+    WWW_DIR.mkdir(parents=True, exist_ok=True)
+    sha256 = write_test_model(model, vocab) if not model.is_file() else sha256_file(model)
+    checksum_file.write_text(f"{sha256}  {MODEL_NAME}\n")
+    return sha256
+
+
+# --- host services: file server and git daemon --------------------------------------------------
+
+
+def _service_paths(service: str, port: int) -> tuple[Path, Path]:
+    return SERVICES_DIR / f"{service}-{port}.pid", SERVICES_DIR / f"{service}-{port}.log"
+
+
+def _file_server_pid(port: int) -> int | None:
+    return _live_pid(_service_paths("fileserver", port)[0], "llamarig.fileserver", str(port))
+
+
+def _git_daemon_pid(port: int) -> int | None:
+    return _live_pid(_service_paths("git-daemon", port)[0], f"--port={port}")
+
+
+def _check_port_free(port: int, purpose: str) -> None:
+    if _port_in_use(port):
+        raise SandboxError(f"port {port} (for the {purpose}) is already in use on {LOOPBACK}")
+
+
+def ensure_file_server(port: int) -> None:
+    """Serve WWW_DIR on 127.0.0.1:`port` unless our file server already does."""
+    if _file_server_pid(port):
+        return
+    _check_port_free(port, "file server")
+    pid_file, log_path = _service_paths("fileserver", port)
+    SERVICES_DIR.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as log:
+        server = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "llamarig.fileserver",
+                "--root",
+                str(WWW_DIR),
+                "--port",
+                str(port),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd="/",
+            start_new_session=True,
+        )
+    pid_file.write_text(f"{server.pid}\n")
+    if not _wait_until(
+        lambda: _accepts_connections(port) or server.poll() is not None, SERVICE_START_TIMEOUT_S
+    ):
+        raise SandboxError(
+            f"the file server did not start listening on port {port} (log {log_path})"
+        )
+    if server.poll() is not None:
+        raise SandboxError(f"the file server exited: {_log_tail(log_path, 1)}")
+
+
+def ensure_git_daemon(port: int) -> None:
+    """Export the git mirrors on git://127.0.0.1:`port`/ unless our git daemon already does."""
+    if _git_daemon_pid(port):
+        return
+    _check_port_free(port, "git daemon")
+    pid_file, log_path = _service_paths("git-daemon", port)
+    SERVICES_DIR.mkdir(parents=True, exist_ok=True)
+    pid_file.unlink(missing_ok=True)
+    with open(log_path, "a") as log:
+        # --detach makes git daemon log to syslog; the log file only catches startup errors.
+        subprocess.run(
+            [
+                "git",
+                "daemon",
+                "--reuseaddr",
+                "--export-all",
+                f"--base-path={MIRROR_DIR}",
+                f"--listen={LOOPBACK}",
+                f"--port={port}",
+                "--detach",
+                f"--pid-file={pid_file}",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd="/",
+            check=False,
+        )
+    if not _wait_until(lambda: _accepts_connections(port), SERVICE_START_TIMEOUT_S):
+        raise SandboxError(f"git daemon did not start listening on port {port} (log {log_path})")
+
+
+def stop_services() -> None:
+    """Stop every file server and git daemon the sandboxes started."""
+    for pid_file in sorted(SERVICES_DIR.glob("*.pid")):
+        port = pid_file.stem.rsplit("-", 1)[-1]
+        if pid_file.name.startswith("fileserver-"):
+            pid = _live_pid(pid_file, "llamarig.fileserver")
+        else:
+            pid = _live_pid(pid_file, f"--port={port}")
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            _wait_until(lambda pid=pid: not _process_cmdline(pid), SERVICE_START_TIMEOUT_S)
+        pid_file.unlink(missing_ok=True)
+
+
+# --- sandbox lifecycle --------------------------------------------------------------------------
+
+
+def _paths(name: str) -> dict[str, Path]:
+    return {
+        "root": RUN_DIR / name,
+        "pid": RUN_DIR / f"{name}.pid",
+        "log": RUN_DIR / f"{name}.log",
+        "state": SANDBOX_DIR / name / "sandbox.json",
+        "known_hosts": SANDBOX_DIR / name / "known_hosts",
+    }
+
+
+def _supervisor_pid(name: str) -> int | None:
+    return _live_pid(_paths(name)["pid"], "_supervise", f"--machine={name}")
+
+
+def is_running(name: str) -> bool:
+    """Whether the supervisor of sandbox `name` (and so, normally, the sandbox) is alive."""
+    return _supervisor_pid(name) is not None
+
+
+def _load_state(name: str) -> dict | None:
+    """What `up` recorded about sandbox `name`: SandboxInfo's fields plus the service ports."""
+    try:
+        return json.loads(_paths(name)["state"].read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _info_from_state(state: dict) -> SandboxInfo:
+    return SandboxInfo(**{field: state[field] for field in SandboxInfo.__dataclass_fields__})
+
+
+def _prepare_working_root(name: str, release: str, base_root: Path, ssh_port: int) -> Path:
+    """Copy the base root afresh and configure its SSH access and identity."""
+    root = _paths(name)["root"]
+    _remove_tree(root)
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    _run(["cp", "-a", "--reflink=auto", str(base_root), str(root)], "copying the base root")
+
+    ssh_dir = root / "root/.ssh"
+    ssh_dir.mkdir(mode=0o700, exist_ok=True)
+    ssh_dir.chmod(0o700)
+    authorized_keys = ssh_dir / "authorized_keys"
+    authorized_keys.write_text(Path(f"{KEY_PATH}.pub").read_text())
+    authorized_keys.chmod(0o600)
+    (root / "etc/ssh/sshd_config.d").mkdir(parents=True, exist_ok=True)
+    (root / "etc/ssh/sshd_config.d/llamarig.conf").write_text(sshd_dropin(ssh_port))
+    (root / "etc/hostname").write_text(f"{name}\n")
+    (root / "etc/hosts").write_text(hosts_file(name))
+    (root / SANDBOX_CCACHE_PATH.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    for host_dir in (APT_ARCHIVES_DIR / release / "partial", CCACHE_DIR / release):
+        host_dir.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def _pin_host_key(name: str, root: Path, ssh_port: int) -> Path:
+    """Write known_hosts from the root's own host key (read from disk, no keyscan)."""
+    known_hosts = _paths(name)["known_hosts"]
+    known_hosts.parent.mkdir(parents=True, exist_ok=True)
+    public_key = (root / "etc/ssh/ssh_host_ed25519_key.pub").read_text()
+    known_hosts.write_text(known_hosts_line(public_key, ssh_port))
+    return known_hosts
+
+
+def _start_supervisor(name: str, release: str, root: Path) -> subprocess.Popen:
+    paths = _paths(name)
+    with open(paths["log"], "w") as log:
+        supervisor = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "llamarig.sandbox",
+                "_supervise",
+                "--",
+                *nspawn_command(name, release, root),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd="/",
+            start_new_session=True,
+        )
+    paths["pid"].write_text(f"{supervisor.pid}\n")
+    return supervisor
+
+
+def _ssh_command(info: SandboxInfo, connect_timeout_s: int = 10) -> list[str]:
+    return [
+        "ssh",
+        "-i",
+        info.key_path,
+        "-o",
+        "IdentitiesOnly=yes",
+        "-o",
+        "BatchMode=yes",
+        "-o",
+        "StrictHostKeyChecking=yes",
+        "-o",
+        f"UserKnownHostsFile={info.known_hosts_path}",
+        "-o",
+        f"ConnectTimeout={connect_timeout_s}",
+        "-p",
+        str(info.ssh_port),
+        f"root@{LOOPBACK}",
+    ]
+
+
+def ssh(
+    info: SandboxInfo, command: str, timeout: float | None = None
+) -> subprocess.CompletedProcess:
+    """Run a shell command in the sandbox over SSH (host key pinned); capture text output."""
+    return subprocess.run(
+        [*_ssh_command(info), command],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def _wait_for_boot(info: SandboxInfo, supervisor: subprocess.Popen) -> None:
+    """Wait until systemd in the sandbox reports the boot finished, over SSH."""
+    log_path = _paths(info.name)["log"]
+    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        # Not is_running(): until the supervisor execs, its pid shows this process's argv.
+        if supervisor.poll() is not None:
+            raise SandboxError(
+                f"sandbox {info.name} stopped while booting: {_log_tail(log_path, 1)}"
+            )
+        try:
+            result = ssh(
+                info,
+                "systemctl is-system-running --wait",
+                timeout=max(1.0, deadline - time.monotonic()),
+            )
+        except subprocess.TimeoutExpired:
+            break
+        if result.stdout.strip() in ("running", "degraded"):
+            return
+        time.sleep(1)
+    raise SandboxError(
+        f"sandbox {info.name} did not finish booting within {BOOT_TIMEOUT_S} s (log {log_path});"
+        f" it is left running for inspection: `llamarig sandbox down --name {info.name}`"
+    )
+
+
+def up(
+    release: str = "trixie",
+    name: str | None = None,
+    ssh_port: int = DEFAULT_SSH_PORT,
+    http_port: int = DEFAULT_HTTP_PORT,
+    git_port: int = DEFAULT_GIT_PORT,
+) -> SandboxInfo:
+    """Boot sandbox `name` (default sandbox-<release>) and its host services; say how to reach it.
+
+    Idempotent: for a sandbox that already runs, it only makes sure the services run.
+    Raises SandboxError for problems the user can fix (not root, port taken, debootstrap failed).
+    """
+    _require_root()
+    _check_release(release)
+    name = name or f"sandbox-{release}"
+    _check_name(name)
+    with _exclusive_lock():
+        state = _load_state(name) if is_running(name) else None
+        if state:
+            ensure_file_server(state["http_port"])
+            ensure_git_daemon(state["git_port"])
+            return _info_from_state(state)
+        if _sandbox_pids(name):
+            raise SandboxError(
+                f"{name} is half running (no supervisor or no state file);"
+                f" clean it up with `llamarig sandbox down --name {name}`"
+            )
+
+        # Fail on a taken port before spending minutes on the rest.
+        _check_port_free(ssh_port, "sandbox's sshd")
+        if not _file_server_pid(http_port):
+            _check_port_free(http_port, "file server")
+        if not _git_daemon_pid(git_port):
+            _check_port_free(git_port, "git daemon")
+
+        ensure_host_tools()
+        base_root = ensure_base_root(release)
+        ensure_ssh_key()
+        vocab = ensure_llama_mirror()
+        model_sha256 = ensure_test_model(vocab)
+
+        _say(f"starting {name}")
+        started = time.monotonic()
+        root = _prepare_working_root(name, release, base_root, ssh_port)
+        known_hosts = _pin_host_key(name, root, ssh_port)
+        info = SandboxInfo(
+            name=name,
+            release=release,
+            ssh_port=ssh_port,
+            key_path=str(KEY_PATH),
+            known_hosts_path=str(known_hosts),
+            root_dir=str(root),
+            model_url=model_url(http_port),
+            model_sha256=model_sha256,
+            git_url=git_url(git_port),
+        )
+        _paths(name)["state"].write_text(
+            json.dumps({**asdict(info), "http_port": http_port, "git_port": git_port}, indent=2)
+        )
+        ensure_file_server(http_port)
+        ensure_git_daemon(git_port)
+        supervisor = _start_supervisor(name, release, root)
+        _wait_for_boot(info, supervisor)
+        _say(f"{name} booted in {time.monotonic() - started:.0f} s")
+        return info
+
+
+def down(name: str) -> None:
+    """Stop sandbox `name` and delete its working root; stop the services if none is left.
+
+    Idempotent: a sandbox that is not running is only cleaned up.
+    """
+    _require_root()
+    _check_name(name)
+    paths = _paths(name)
+    with _exclusive_lock():
+        _stop_sandbox_processes(name)
+        _remove_tree(paths["root"])
+        paths["pid"].unlink(missing_ok=True)
+        paths["log"].unlink(missing_ok=True)
+        shutil.rmtree(SANDBOX_DIR / name, ignore_errors=True)
+        if not any(is_running(pid_file.stem) for pid_file in RUN_DIR.glob("*.pid")):
+            stop_services()
+
+
+def _sandbox_pids(name: str) -> list[int]:
+    """Live supervisor and systemd-nspawn processes of sandbox `name`."""
+    pids = []
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        cmdline = _process_cmdline(int(proc_dir.name))
+        if f"--machine={name}" in cmdline and (
+            "_supervise" in cmdline or Path(cmdline[0]).name == "systemd-nspawn"
+        ):
+            pids.append(int(proc_dir.name))
+    return pids
+
+
+def _signal_all(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _stop_sandbox_processes(name: str) -> None:
+    """SIGTERM the supervisor, which halts the container, and wait; kill whatever hangs.
+
+    Without a supervisor (it was killed), a systemd-nspawn left behind is signalled directly.
+    """
+    if not _sandbox_pids(name):
+        return
+    supervisor = _supervisor_pid(name)
+    _signal_all([supervisor] if supervisor else _sandbox_pids(name), signal.SIGTERM)
+    if not _wait_until(lambda: not _sandbox_pids(name), SHUTDOWN_TIMEOUT_S, interval_s=0.5):
+        _say(f"{name} did not halt within {SHUTDOWN_TIMEOUT_S} s; killing it")
+        _signal_all(_sandbox_pids(name), signal.SIGKILL)
+        _wait_until(lambda: not _sandbox_pids(name), 10)
+
+
+def supervise(command: list[str]) -> int:
+    """Run `command` (systemd-nspawn) and restart it whenever it exits with 133 (a reboot).
+
+    SIGTERM or SIGINT is passed on to the command, which then halts the container; the
+    supervisor returns the command's exit status (128 + N for death by signal N).
+    """
+    stopping = False
+    child: subprocess.Popen | None = None
+
+    def stop(_signum, _frame):
+        nonlocal stopping
+        stopping = True
+        if child is not None and child.poll() is None:
+            child.send_signal(signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    returncode = 0
+    while not stopping:
+        print(f"supervisor: starting {' '.join(command)}", flush=True)
+        child = subprocess.Popen(command, stdin=subprocess.DEVNULL)
+        if stopping:  # the signal came while the child was starting
+            child.send_signal(signal.SIGTERM)
+        returncode = child.wait()
+        print(f"supervisor: exit status {returncode}", flush=True)
+        if returncode != NSPAWN_REBOOT_EXIT:
+            break
+    # Like a shell, report death by signal N as 128 + N (Popen gives -N).
+    return 128 - returncode if returncode < 0 else returncode
+
+
+# --- command line ------------------------------------------------------------------------------
+
+
+def _print_status(info: SandboxInfo) -> None:
+    ssh_line = " ".join(_ssh_command(info))
+    print(f"sandbox {info.name} ({info.release}) is running")
+    print(f"  ssh:   {ssh_line}")
+    print(f"  model: {info.model_url} sha256 {info.model_sha256}")
+    print(f"  git:   {info.git_url} (master = {LLAMA_CPP_COMMIT})")
+    print(f"  root:  {info.root_dir}")
+
+
+def status(name: str) -> SandboxInfo | None:
+    """The running sandbox's SandboxInfo, or None when it is not running."""
+    _require_root()
+    _check_name(name)
+    state = _load_state(name) if is_running(name) else None
+    return _info_from_state(state) if state else None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llamarig sandbox", description="Manage the systemd-nspawn sandbox rig."
+    )
+    parser.add_argument("action", choices=("up", "down", "status"))
+    parser.add_argument("--release", default="trixie", choices=RELEASES)
+    parser.add_argument("--name", help="sandbox name (default: sandbox-<release>)")
+    parser.add_argument("--ssh-port", type=int, default=DEFAULT_SSH_PORT)
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
+    parser.add_argument("--git-port", type=int, default=DEFAULT_GIT_PORT)
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """CLI entry: `up`, `down` or `status`; exit 0 on success, 2 on a user error, 3 when down."""
+    if argv[:1] == ["_supervise"]:
+        command = argv[2:] if argv[1:2] == ["--"] else argv[1:]
+        return supervise(command)
+    args = _parser().parse_args(argv)
+    name = args.name or f"sandbox-{args.release}"
+    try:
+        if args.action == "up":
+            info = up(args.release, name, args.ssh_port, args.http_port, args.git_port)
+            _print_status(info)
+        elif args.action == "down":
+            down(name)
+            print(f"sandbox {name} is down")
+        else:
+            info = status(name)
+            if info is None:
+                print(f"sandbox {name} is not running")
+                return 3
+            _print_status(info)
+    except SandboxError as error:
+        print(f"llamarig sandbox: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("llamarig sandbox: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

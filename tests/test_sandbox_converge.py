@@ -1,0 +1,179 @@
+"""Converge the sandbox rig for real: a Debian trixie system booted with systemd in
+systemd-nspawn, reached over SSH, building llama.cpp (CPU) at the pinned commit and serving a
+real GGUF model through the hardened unit.
+
+Stand-ins, stated plainly: the model (a tiny random-weight llama) comes from a loopback HTTP
+server instead of a model hub, and llama.cpp comes from a `git daemon` mirror of the
+llama-cpp-python 0.3.36 sdist instead of GitHub. The deploy's code path is the production one.
+
+Needs root, systemd-nspawn and debootstrap (the sandbox installs them); the first converge
+builds llama-server (about 9 minutes on 2 cores without a warm ccache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llamarig import CACHE_DIR, render
+from llamarig.config import load_inventory
+from tests.conftest import PROJECT, pyinfra_env
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+if os.geteuid() != 0:
+    pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
+
+INVENTORY = PROJECT / "inventory" / "hosts.yml"
+SERVICE = "llama-server"
+
+
+@pytest.fixture(scope="module")
+def sandbox_info():
+    from llamarig import sandbox
+
+    info = sandbox.up()
+    yield info
+    sandbox.down(info.name)
+
+
+def converge(inventory: Path = INVENTORY) -> dict:
+    """Run the real deploy; return pyinfra's JSON results."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pyinfra", "-y", "--json", "inventory.py", "deploy.py"],
+        cwd=PROJECT,
+        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    assert result.returncode == 0, f"deploy failed:\n{result.stderr[-6000:]}"
+    return json.loads(result.stdout)["results"]
+
+
+def changed_operations(results: dict) -> list[str]:
+    return [op["name"] for op in results["operations"] if op["success"]]
+
+
+def in_sandbox(info, command: str) -> str:
+    from llamarig import sandbox
+
+    result = sandbox.ssh(info, command)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def main_pid(info) -> int:
+    return int(in_sandbox(info, f"systemctl show -P MainPID {SERVICE}"))
+
+
+def complete(prompt: str = "Hello", tokens: int = 8) -> dict:
+    # nspawn shares the host's network: the server's loopback port is reachable from here.
+    body = json.dumps({"prompt": prompt, "n_predict": tokens, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        "http://127.0.0.1:8080/completion", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return json.load(response)
+
+
+def variant(tmp_path: Path, **changes) -> Path:
+    """A copy of the sandbox inventory with some sandbox host settings changed."""
+    document = yaml.safe_load(INVENTORY.read_text())
+    host = document["all"]["children"]["sandbox"]["hosts"]["sandbox"]
+    for section, values in changes.items():
+        host.setdefault(section, {}).update(values)
+    path = tmp_path / "hosts.yml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_first_converge_serves_completions(sandbox_info):
+    results = converge()
+    assert results["totals"]["error"] == 0
+    assert results["totals"]["success"] > 0
+    answer = complete()
+    assert answer["tokens_predicted"] == 8
+    assert answer["timings"]["predicted_per_second"] > 0
+    assert in_sandbox(sandbox_info, f"systemctl is-active {SERVICE}") == "active"
+    assert in_sandbox(sandbox_info, f"systemctl is-enabled {SERVICE}") == "enabled"
+    # The service runs the exact command the renderer produced, as an unprivileged user.
+    data = load_inventory(INVENTORY).hosts["sandbox"].data
+    cmdline = in_sandbox(sandbox_info, f"tr '\\0' ' ' < /proc/{main_pid(sandbox_info)}/cmdline")
+    assert cmdline.split() == render.server_args(data)
+    user = in_sandbox(sandbox_info, f"ps -o user= -p {main_pid(sandbox_info)}")
+    assert user != "root"
+
+
+def test_second_converge_changes_nothing(sandbox_info):
+    pid_before = main_pid(sandbox_info)
+    results = converge()
+    assert results["totals"]["success"] == 0, changed_operations(results)
+    assert results["totals"]["error"] == 0
+    assert main_pid(sandbox_info) == pid_before, "the second converge restarted the service"
+
+
+def test_server_setting_restarts_without_rebuild(sandbox_info, tmp_path):
+    pid_before = main_pid(sandbox_info)
+    results = converge(variant(tmp_path, server={"ctx": 1024}))
+    changed = changed_operations(results)
+    assert any(name.startswith("Restart llama-server") for name in changed), changed
+    assert not any(name.startswith("Build ") for name in changed), changed
+    assert main_pid(sandbox_info) != pid_before
+    cmdline = in_sandbox(sandbox_info, f"tr '\\0' ' ' < /proc/{main_pid(sandbox_info)}/cmdline")
+    assert " -c 1024 " in cmdline
+    assert complete()["tokens_predicted"] == 8
+
+
+@pytest.fixture
+def second_commit():
+    """A commit on top of the pinned one in the sandbox's llama.cpp mirror (a README edit)."""
+    mirror = CACHE_DIR / "mirror" / "llama.cpp.git"
+    branch = "llamarig-test-rebuild"
+    work = CACHE_DIR / "tmp-second-commit"
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+    git = ["git", "-c", "user.name=llamarig test", "-c", "user.email=test@llamarig.invalid"]
+    subprocess.run([*git, "clone", "-q", str(mirror), str(work)], check=True)
+    with open(work / "README.md", "a") as readme:
+        readme.write("\n<!-- llamarig rebuild test -->\n")
+    subprocess.run([*git, "-C", str(work), "commit", "-qam", "llamarig rebuild test"], check=True)
+    commit = subprocess.run(
+        ["git", "-C", str(work), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    subprocess.run(
+        ["git", "-C", str(work), "push", "-q", "origin", f"HEAD:refs/heads/{branch}"], check=True
+    )
+    yield commit
+    subprocess.run(["git", "-C", str(mirror), "branch", "-q", "-D", branch], check=True)
+    subprocess.run(["rm", "-rf", str(work)], check=True)
+
+
+def test_commit_change_rebuilds_and_switches(sandbox_info, tmp_path, second_commit):
+    pinned = load_inventory(INVENTORY).hosts["sandbox"].data
+    results = converge(variant(tmp_path, llama_cpp={"commit": second_commit}))
+    changed = changed_operations(results)
+    assert any(name.startswith("Build ") for name in changed), changed
+    assert any(name.startswith("Restart llama-server") for name in changed), changed
+    link = in_sandbox(sandbox_info, "readlink /opt/llamarig/current")
+    assert Path(link).name.startswith(second_commit[:12])
+    assert in_sandbox(sandbox_info, "git -C /opt/llamarig/src/llama.cpp rev-parse HEAD") == (
+        second_commit
+    )
+    assert complete()["tokens_predicted"] == 8
+
+    # Back to the pinned commit: its build is still there, so nothing is rebuilt.
+    results = converge()
+    changed = changed_operations(results)
+    assert not any(name.startswith("Build ") for name in changed), changed
+    assert (
+        in_sandbox(sandbox_info, "readlink /opt/llamarig/current")
+        == (render.layout(pinned)["build"])
+    )
+    assert complete()["tokens_predicted"] == 8
