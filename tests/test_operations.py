@@ -1,0 +1,199 @@
+"""llamarig's custom pyinfra operations, run for real by pyinfra against @local on temporary
+directories: they change what differs, report no change on a second run, and fail safely."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+from llamarig.fileserver import make_server
+from tests.conftest import pyinfra_env
+
+pytestmark = pytest.mark.skipif(
+    not all(shutil.which(tool) for tool in ("curl", "git", "cmake", "sha256sum")),
+    reason="needs curl, git, cmake and sha256sum on this machine",
+)
+
+
+def run_deploy(tmp_path: Path, body: str) -> tuple[int, dict | None, str]:
+    """Run a deploy file made of `body` with pyinfra against @local."""
+    deploy = tmp_path / "deploy_under_test.py"
+    deploy.write_text("from llamarig import operations\n" + textwrap.dedent(body))
+    result = subprocess.run(
+        [sys.executable, "-m", "pyinfra", "-y", "--json", "@local", str(deploy)],
+        cwd=tmp_path,
+        env=pyinfra_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    results = json.loads(result.stdout)["results"] if result.stdout.strip() else None
+    return result.returncode, results, result.stderr
+
+
+def changed(results: dict) -> int:
+    return results["totals"]["success"]
+
+
+@pytest.fixture
+def file_server(tmp_path):
+    """Serve tmp_path/www over HTTP with range support (the sandbox's model server)."""
+    root = tmp_path / "www"
+    root.mkdir()
+    server = make_server(root, 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_fetch_checked_downloads_once(tmp_path, file_server):
+    www, url = file_server
+    content = bytes(range(256)) * 4096
+    (www / "m.gguf").write_bytes(content)
+    dest = tmp_path / "models" / "m.gguf"
+    dest.parent.mkdir()
+    body = (
+        f"operations.fetch_checked(url='{url}/m.gguf', dest='{dest}', sha256='{sha256(content)}')"
+    )
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert changed(results) == 1
+    assert dest.read_bytes() == content
+    assert not Path(f"{dest}.part").exists()
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert (code, changed(results)) == (0, 0)
+
+
+def test_fetch_checked_resumes_a_partial_download(tmp_path, file_server):
+    www, url = file_server
+    content = b"0123456789" * 100_000
+    (www / "m.gguf").write_bytes(content)
+    dest = tmp_path / "m.gguf"
+    # A previous run was interrupted halfway: only the rest is fetched. The kept half is
+    # deliberately different, so a resumed download (and only a resumed one) ends up with
+    # these bytes in front and must then be refused by the checksum.
+    Path(f"{dest}.part").write_bytes(b"X" * 500_000)
+    body = (
+        f"operations.fetch_checked(url='{url}/m.gguf', dest='{dest}', sha256='{sha256(content)}')"
+    )
+    code, _, stderr = run_deploy(tmp_path, body)
+    assert code != 0
+    assert "sha256 mismatch" in stderr
+    assert sha256(b"X" * 500_000 + content[500_000:]) in stderr
+    assert not dest.exists() and not Path(f"{dest}.part").exists()
+    # The next run starts over and succeeds.
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert dest.read_bytes() == content
+
+
+def test_fetch_checked_never_replaces_a_good_file_with_a_bad_download(tmp_path, file_server):
+    www, url = file_server
+    good = b"good model" * 1000
+    (www / "m.gguf").write_bytes(b"corrupted" * 1000)
+    dest = tmp_path / "m.gguf"
+    dest.write_bytes(good)
+    wanted = sha256(b"a newer model")
+    body = f"operations.fetch_checked(url='{url}/m.gguf', dest='{dest}', sha256='{wanted}')"
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code != 0 and "sha256 mismatch" in stderr
+    assert dest.read_bytes() == good
+
+
+def test_check_file(tmp_path):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"weights")
+    body = f"operations.check_file(path='{model}', sha256='{sha256(b'weights')}')"
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert (code, changed(results)) == (0, 0), stderr
+    body = f"operations.check_file(path='{model}', sha256='{sha256(b'other')}')"
+    code, _, stderr = run_deploy(tmp_path, body)
+    assert code != 0 and f"model file {model} has sha256 {sha256(b'weights')}" in stderr
+    code, _, stderr = run_deploy(tmp_path, f"operations.check_file(path='{tmp_path}/none')")
+    assert code != 0 and "does not exist" in stderr
+
+
+def git(*args: str, cwd: Path) -> str:
+    command = ["git", "-c", "user.name=t", "-c", "user.email=t@t.invalid", *args]
+    return subprocess.run(command, cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def remote(tmp_path) -> tuple[Path, list[str]]:
+    """A repository with two commits; returns its path and the commit ids."""
+    repo = tmp_path / "remote"
+    repo.mkdir()
+    git("init", "-q", cwd=repo)
+    commits = []
+    for text in ("one", "two"):
+        (repo / "file.txt").write_text(text)
+        git("add", "file.txt", cwd=repo)
+        git("commit", "-qm", text, cwd=repo)
+        commits.append(git("rev-parse", "HEAD", cwd=repo).strip())
+    return repo, commits
+
+
+def test_git_commit_checks_out_exact_commits(tmp_path, remote):
+    repo, (first, second) = remote
+    work = tmp_path / "checkout"
+
+    def deploy(commit):
+        body = f"operations.git_commit(repo='file://{repo}', path='{work}', commit='{commit}')"
+        return run_deploy(tmp_path, body)
+
+    code, results, stderr = deploy(first)
+    assert (code, changed(results)) == (0, 1), stderr
+    assert (work / "file.txt").read_text() == "one"
+    code, results, stderr = deploy(first)
+    assert (code, changed(results)) == (0, 0), stderr
+    (work / "stray.o").write_text("left over")
+    code, results, stderr = deploy(second)
+    assert (code, changed(results)) == (0, 1), stderr
+    assert git("rev-parse", "HEAD", cwd=work).strip() == second
+    assert (work / "file.txt").read_text() == "two"
+    assert not (work / "stray.o").exists()
+
+
+def test_cmake_build_builds_once_and_retries_a_failed_build(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.16)\nproject(hello C)\nadd_executable(hello hello.c)\n"
+    )
+    (source / "hello.c").write_text("int main(void) { return 0 }\n")  # missing ';'
+    build = tmp_path / "build"
+    marker = build / ".done.json"
+    body = f"""
+    operations.cmake_build(
+        source='{source}', build_dir='{build}',
+        configure=['cmake', '-S', '{source}', '-B', '{build}'],
+        build=['cmake', '--build', '{build}', '--target', 'hello'],
+        manifest={{'recipe': 1}}, marker='{marker}',
+    )
+    """
+    code, _, _ = run_deploy(tmp_path, body)
+    assert code != 0
+    assert not marker.exists()
+    (source / "hello.c").write_text("int main(void) { return 0; }\n")
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert (code, changed(results)) == (0, 1), stderr
+    assert (build / "hello").exists()
+    assert json.loads(marker.read_text()) == {"recipe": 1}
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert (code, changed(results)) == (0, 0), stderr
+    # Another recipe with the same marker path is not taken for done.
+    code, results, stderr = run_deploy(tmp_path, body.replace("'recipe': 1", "'recipe': 2"))
+    assert (code, changed(results)) == (0, 1), stderr
