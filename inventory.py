@@ -6,10 +6,13 @@ a mistake stops here with the file, the key path and the fix.
 
 import sys
 
-from llamarig.config import ConfigError, load_inventory, pyinfra_host
+from llamarig.config import ConfigError, connection_problems, load_inventory, pyinfra_host
 
 try:
     _inventory = load_inventory()
+    _problems = connection_problems(_inventory)
+    if _problems:
+        raise ConfigError(_problems)
 except ConfigError as _error:
     print("llamarig: the rig configuration is not valid:", file=sys.stderr)
     for _problem in _error.problems:

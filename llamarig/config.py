@@ -414,6 +414,25 @@ def pyinfra_host(host_config: HostConfig) -> tuple[str, dict]:
     return host_config.name, {**data, **connection}
 
 
+def connection_problems(inventory: Inventory) -> list[str]:
+    """Files named in `ssh` that this machine must have before pyinfra connects."""
+    problems = []
+    for host_config in inventory.hosts.values():
+        ssh = host_config.data.get("ssh") or {}
+        for key, what in (("key", "private key"), ("known_hosts", "known_hosts file")):
+            if key in ssh and not os.path.isfile(os.path.expanduser(ssh[key])):
+                problems.append(
+                    _located(
+                        host_config,
+                        ("ssh", key),
+                        f"the {what} {ssh[key]} does not exist "
+                        "on this machine; fix the path"
+                        + (" or run `llamarig sandbox up`" if "llamarig" in ssh[key] else ""),
+                    )
+                )
+    return problems
+
+
 def rig_data(host_data: dict) -> dict:
     """The rig keys of pyinfra host data, validated (for deploys run without inventory.py)."""
     keys = schema()["properties"].keys()

@@ -132,3 +132,38 @@ def test_inventory_py_refuses_bad_config_without_traceback(write_inventory):
     assert result.returncode == 2
     assert f"{path}: hosts.rig1.server.port:" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_missing_key_file_is_named_before_connecting(write_inventory, tmp_path):
+    path = write_inventory(
+        MINIMAL.replace(
+            "{host: 192.0.2.1, user: root}", f"{{host: 192.0.2.1, key: {tmp_path}/nokey}}"
+        )
+    )
+    result = subprocess.run(
+        [sys.executable, "-m", "pyinfra", "inventory.py", "deploy.py", "--dry"],
+        cwd=PROJECT,
+        env=pyinfra_env(RIG_INVENTORY=str(path)),
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert f"hosts.rig1.ssh.key: the private key {tmp_path}/nokey does not exist" in result.stderr
+
+
+def test_example_rig_dry_run_fails_only_on_the_connection():
+    """The seed rig's inventory is valid and its deploy gets as far as connecting (192.0.2.10
+    is a documentation address that nothing answers)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "pyinfra", "inventory.py", "deploy.py", "--dry"],
+        cwd=PROJECT,
+        env=pyinfra_env(RIG_INVENTORY="inventory/example-5080-3090.yml"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1
+    assert "[rig1] Could not connect" in output
+    assert "No hosts remaining" in output
+    assert "not valid" not in output and "Traceback" not in output
