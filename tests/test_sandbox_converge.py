@@ -39,6 +39,8 @@ SERVICE = "llama-server"
 def sandbox_info():
     from llamarig import sandbox
 
+    # A fresh root every time: a sandbox left running (by `make demo`) is replaced.
+    sandbox.down("sandbox-trixie")
     info = sandbox.up()
     yield info
     sandbox.down(info.name)
@@ -59,7 +61,8 @@ def converge(inventory: Path = INVENTORY) -> dict:
 
 
 def changed_operations(results: dict) -> list[str]:
-    return [op["name"] for op in results["operations"] if op["success"]]
+    """Names of the operations that changed something (without their "tasks/x.py | " part)."""
+    return [op["name"].split(" | ", 1)[-1] for op in results["operations"] if op["success"]]
 
 
 def in_sandbox(info, command: str) -> str:
