@@ -1,6 +1,10 @@
-"""NVIDIA hardware facts: compute capabilities, CUDA architectures, version floors."""
+"""NVIDIA hardware facts: compute capabilities, CUDA architectures, version floors.
+
+One table per fact family; the functions below only look things up in them.
+"""
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 
 def cuda_architecture(compute_capability: str) -> str:
@@ -20,3 +24,256 @@ def cuda_architectures(compute_capabilities: Iterable[str]) -> str:
     """The ``CMAKE_CUDA_ARCHITECTURES`` value covering every GPU, lowest first, no duplicates."""
     unique = sorted(set(compute_capabilities), key=lambda cc: tuple(int(p) for p in cc.split(".")))
     return ";".join(cuda_architecture(cc) for cc in unique)
+
+
+# --- GPUs by PCI device id -------------------------------------------------------------------
+
+NVIDIA_PCI_VENDOR = 0x10DE
+
+
+@dataclass(frozen=True)
+class GpuModel:
+    name: str
+    vram_mib: int  # memory.total as nvidia-smi reports it
+    compute_capability: str
+
+
+# Device ids and names: the PCI ID Repository (pci.ids, pciutils/pciids). VRAM: nvidia-smi's
+# memory.total where public nvidia-smi output was found for the card (marked "seen"), otherwise
+# the nominal size in MiB, which nvidia-smi reports a few MiB lower on most cards.
+PCI_DEVICES: dict[int, GpuModel] = {
+    # Turing, 7.5
+    0x1E02: GpuModel("TITAN RTX", 24576, "7.5"),
+    0x1E04: GpuModel("GeForce RTX 2080 Ti", 11264, "7.5"),
+    0x1E07: GpuModel("GeForce RTX 2080 Ti", 11264, "7.5"),
+    0x1E81: GpuModel("GeForce RTX 2080 SUPER", 8192, "7.5"),
+    0x1E82: GpuModel("GeForce RTX 2080", 8192, "7.5"),
+    0x1E87: GpuModel("GeForce RTX 2080", 8192, "7.5"),
+    0x1E84: GpuModel("GeForce RTX 2070 SUPER", 8192, "7.5"),
+    0x1F02: GpuModel("GeForce RTX 2070", 8192, "7.5"),
+    0x1F07: GpuModel("GeForce RTX 2070", 8192, "7.5"),
+    0x1F06: GpuModel("GeForce RTX 2060 SUPER", 8192, "7.5"),
+    0x1F08: GpuModel("GeForce RTX 2060", 6144, "7.5"),
+    0x1F03: GpuModel("GeForce RTX 2060 12GB", 12288, "7.5"),
+    0x1EB8: GpuModel("Tesla T4", 15360, "7.5"),
+    # Ampere datacenter, 8.0
+    0x20B0: GpuModel("A100 SXM4 40GB", 40960, "8.0"),  # seen
+    0x20F1: GpuModel("A100 PCIe 40GB", 40960, "8.0"),
+    0x20B2: GpuModel("A100 SXM4 80GB", 81920, "8.0"),
+    0x20B5: GpuModel("A100 PCIe 80GB", 81920, "8.0"),
+    # Ampere GA10x, 8.6
+    0x2204: GpuModel("GeForce RTX 3090", 24576, "8.6"),  # seen
+    0x2203: GpuModel("GeForce RTX 3090 Ti", 24564, "8.6"),
+    0x2208: GpuModel("GeForce RTX 3080 Ti", 12288, "8.6"),
+    0x2206: GpuModel("GeForce RTX 3080", 10240, "8.6"),
+    0x2216: GpuModel("GeForce RTX 3080 LHR", 10240, "8.6"),
+    0x220A: GpuModel("GeForce RTX 3080 12GB", 12288, "8.6"),
+    0x2482: GpuModel("GeForce RTX 3070 Ti", 8192, "8.6"),
+    0x2484: GpuModel("GeForce RTX 3070", 8192, "8.6"),
+    0x2488: GpuModel("GeForce RTX 3070 LHR", 8192, "8.6"),
+    0x2486: GpuModel("GeForce RTX 3060 Ti", 8192, "8.6"),
+    0x2489: GpuModel("GeForce RTX 3060 Ti LHR", 8192, "8.6"),
+    0x2503: GpuModel("GeForce RTX 3060", 12288, "8.6"),  # seen
+    0x2504: GpuModel("GeForce RTX 3060 LHR", 12288, "8.6"),
+    0x2544: GpuModel("GeForce RTX 3060", 12288, "8.6"),
+    0x2487: GpuModel("GeForce RTX 3060", 12288, "8.6"),
+    0x24B0: GpuModel("RTX A4000", 16376, "8.6"),
+    0x2232: GpuModel("RTX A4500", 20470, "8.6"),
+    0x2231: GpuModel("RTX A5000", 24564, "8.6"),
+    0x2230: GpuModel("RTX A6000", 49140, "8.6"),  # seen
+    0x2235: GpuModel("A40", 46068, "8.6"),
+    0x2236: GpuModel("A10", 23028, "8.6"),
+    # Ada, 8.9
+    0x2684: GpuModel("GeForce RTX 4090", 24564, "8.9"),  # seen
+    0x2685: GpuModel("GeForce RTX 4090 D", 24564, "8.9"),
+    0x2704: GpuModel("GeForce RTX 4080", 16376, "8.9"),  # seen
+    0x2702: GpuModel("GeForce RTX 4080 SUPER", 16376, "8.9"),
+    0x2705: GpuModel("GeForce RTX 4070 Ti SUPER", 16376, "8.9"),
+    0x2782: GpuModel("GeForce RTX 4070 Ti", 12282, "8.9"),
+    0x2783: GpuModel("GeForce RTX 4070 SUPER", 12282, "8.9"),
+    0x2786: GpuModel("GeForce RTX 4070", 12282, "8.9"),  # seen
+    0x2803: GpuModel("GeForce RTX 4060 Ti", 8188, "8.9"),
+    0x2805: GpuModel("GeForce RTX 4060 Ti 16GB", 16380, "8.9"),
+    0x2882: GpuModel("GeForce RTX 4060", 8188, "8.9"),
+    0x2808: GpuModel("GeForce RTX 4060", 8188, "8.9"),
+    0x26B1: GpuModel("RTX 6000 Ada Generation", 49140, "8.9"),  # seen
+    0x26B5: GpuModel("L40", 46068, "8.9"),
+    0x26B9: GpuModel("L40S", 46068, "8.9"),  # seen
+    0x27B8: GpuModel("L4", 23034, "8.9"),
+    # Hopper, 9.0
+    0x2330: GpuModel("H100 SXM5 80GB", 81559, "9.0"),  # seen
+    0x2331: GpuModel("H100 PCIe", 81559, "9.0"),
+    0x2321: GpuModel("H100 NVL", 95830, "9.0"),
+    0x2335: GpuModel("H200", 143771, "9.0"),  # seen
+    # Blackwell datacenter, 10.0
+    0x2901: GpuModel("B200", 183359, "10.0"),  # seen
+    # Blackwell GB20x, 12.0
+    0x2B85: GpuModel("GeForce RTX 5090", 32607, "12.0"),  # seen
+    0x2B87: GpuModel("GeForce RTX 5090 D", 32607, "12.0"),
+    0x2C02: GpuModel("GeForce RTX 5080", 16303, "12.0"),  # seen
+    0x2C05: GpuModel("GeForce RTX 5070 Ti", 16303, "12.0"),
+    0x2F04: GpuModel("GeForce RTX 5070", 12227, "12.0"),  # seen
+    0x2BB1: GpuModel("RTX PRO 6000 Blackwell Workstation Edition", 97887, "12.0"),
+}
+
+
+def gpu_from_pci_id(device_id: int | str) -> GpuModel | None:
+    """The GPU for an NVIDIA PCI device id: ``0x2204``, ``"2204"`` or lspci's ``"10de:2204"``."""
+    if isinstance(device_id, str):
+        text = device_id.strip().lower()
+        vendor, _, device = text.rpartition(":")
+        if vendor and int(vendor, 16) != NVIDIA_PCI_VENDOR:
+            return None
+        device_id = int(device, 16)
+    return PCI_DEVICES.get(device_id)
+
+
+# --- version floors --------------------------------------------------------------------------
+
+Version = tuple[int, ...]
+
+
+def parse_version(text: str) -> Version:
+    """``"580.65.06"`` -> ``(580, 65, 6)``, padded to three parts so that 570.26 == 570.26.0."""
+    parts = tuple(int(p) for p in text.strip().split("."))
+    return parts + (0,) * (3 - len(parts))
+
+
+@dataclass(frozen=True)
+class ArchitectureFloor:
+    family: str
+    first_cuda: str
+    min_driver: str  # Linux
+
+
+# compute capability -> first CUDA toolkit that targets it and the Linux driver that runs it.
+# 8.6-12.1: GUIDE §2. 7.5 and 8.0: the CUDA 10.0 and 11.0 release notes.
+ARCHITECTURE_FLOORS: dict[str, ArchitectureFloor] = {
+    "7.5": ArchitectureFloor("Turing", "10.0", "410.48"),
+    "8.0": ArchitectureFloor("Ampere (A100)", "11.0", "450.51.05"),
+    "8.6": ArchitectureFloor("Ampere", "11.1", "455.23"),
+    "8.9": ArchitectureFloor("Ada", "11.8", "520.61.05"),
+    "9.0": ArchitectureFloor("Hopper", "11.8", "520.61.05"),
+    "10.0": ArchitectureFloor("Blackwell", "12.8", "570.26"),
+    "12.0": ArchitectureFloor("Blackwell", "12.8", "570.26"),
+    "10.3": ArchitectureFloor("Blackwell", "12.9", "575.51.03"),
+    "12.1": ArchitectureFloor("Blackwell", "12.9", "575.51.03"),
+}
+
+# CUDA toolkit -> minimum Linux driver (CUDA release notes, table 3). A version between two
+# rows needs at least the lower row's driver.
+TOOLKIT_DRIVER_FLOORS: dict[str, str] = {
+    "11.0": "450.51.05",
+    "11.1": "455.23",
+    "11.8": "520.61.05",
+    "12.0": "525.60.13",
+    "12.4": "550.54.14",
+    "12.8": "570.26",
+    "12.9": "575.51.03",
+    "13.0": "580.65.06",
+}
+
+# CUDA 13.0 removed every target below Turing; the open kernel modules start at Turing too.
+CUDA13_MIN_CAPABILITY = "7.5"
+OPEN_MODULES_MIN_CAPABILITY = "7.5"
+BLACKWELL_MAJORS = (10, 12)
+
+# What Debian itself packages (GUIDE §2); neither can serve Blackwell.
+DISTRO_DRIVER_NOTE = "Debian's packaged driver (535 in bookworm, 550 in trixie)"
+DISTRO_TOOLKIT_NOTE = "Debian's nvidia-cuda-toolkit (11.8 in bookworm, 12.4 in trixie)"
+
+
+def is_blackwell(compute_capability: str) -> bool:
+    return parse_version(compute_capability)[0] in BLACKWELL_MAJORS
+
+
+def toolkit_driver_floor(cuda_version: str) -> str | None:
+    """The minimum Linux driver for a CUDA toolkit version, or None if older than the table."""
+    wanted = parse_version(cuda_version)
+    floors = [v for v in TOOLKIT_DRIVER_FLOORS if parse_version(v) <= wanted]
+    return TOOLKIT_DRIVER_FLOORS[max(floors, key=parse_version)] if floors else None
+
+
+def check_versions(
+    compute_capabilities: Iterable[str],
+    cuda_version: str | None,
+    driver_version: str | None,
+    open_modules: bool,
+    driver_source: str,
+    cuda_source: str,
+) -> list[str]:
+    """Problems with a driver/toolkit choice for these GPUs, each with its fix; [] means OK.
+
+    ``cuda_version``/``driver_version`` None means not chosen yet (their checks are skipped);
+    ``driver_source``/``cuda_source`` are ``"nvidia"`` (NVIDIA's repository) or ``"distro"``.
+    """
+    capabilities = sorted(set(compute_capabilities), key=parse_version)
+    blackwell = [cc for cc in capabilities if is_blackwell(cc)]
+    problems: list[str] = []
+
+    for cc in capabilities:
+        if cc not in ARCHITECTURE_FLOORS and parse_version(cc) > parse_version("12.1"):
+            problems.append(f"compute capability {cc} is newer than this table knows; check it")
+    if cuda_version is not None:
+        cuda = parse_version(cuda_version)
+        for cc in capabilities:
+            floor = ARCHITECTURE_FLOORS.get(cc)
+            if floor and cuda < parse_version(floor.first_cuda):
+                problems.append(
+                    f"CUDA {cuda_version} cannot build for sm_{cc.replace('.', '')} "
+                    f"({floor.family}): it needs CUDA >= {floor.first_cuda}"
+                )
+        if cuda >= parse_version("13.0"):
+            old = [
+                cc
+                for cc in capabilities
+                if parse_version(cc) < parse_version(CUDA13_MIN_CAPABILITY)
+            ]
+            if old:
+                problems.append(
+                    f"CUDA {cuda_version} dropped compute capability below "
+                    f"{CUDA13_MIN_CAPABILITY} ({', '.join(old)}): use CUDA 12.x"
+                )
+    if driver_version is not None:
+        driver = parse_version(driver_version)
+        if cuda_version is not None:
+            needed = toolkit_driver_floor(cuda_version)
+            if needed and driver < parse_version(needed):
+                problems.append(
+                    f"driver {driver_version} is too old for CUDA {cuda_version}: it needs >= "
+                    f"{needed} (or pick an older toolkit)"
+                )
+        for cc in capabilities:
+            floor = ARCHITECTURE_FLOORS.get(cc)
+            if floor and driver < parse_version(floor.min_driver):
+                problems.append(
+                    f"driver {driver_version} cannot drive compute capability {cc} "
+                    f"({floor.family}): it needs >= {floor.min_driver}"
+                )
+    if blackwell and not open_modules:
+        problems.append(
+            f"Blackwell GPUs ({', '.join(blackwell)}) work only with the open kernel modules: "
+            "install nvidia-open, not the proprietary cuda-drivers"
+        )
+    if open_modules:
+        old = [
+            cc
+            for cc in capabilities
+            if parse_version(cc) < parse_version(OPEN_MODULES_MIN_CAPABILITY)
+        ]
+        if old:
+            problems.append(
+                f"the open kernel modules need Turing (7.5) or newer, not {', '.join(old)}: "
+                "use the proprietary modules"
+            )
+    if blackwell and driver_source == "distro":
+        problems.append(
+            f"{DISTRO_DRIVER_NOTE} cannot drive Blackwell (needs >= 570.26 with open modules): "
+            "install the driver from NVIDIA's repository"
+        )
+    if blackwell and cuda_source == "distro":
+        problems.append(
+            f"{DISTRO_TOOLKIT_NOTE} cannot build for Blackwell (needs CUDA >= 12.8): install "
+            "the toolkit from NVIDIA's repository"
+        )
+    return problems

@@ -1,0 +1,423 @@
+"""Read a GGUF file's metadata and tensor table without reading tensor data.
+
+The format (ggml/src/gguf.cpp at the pinned llama.cpp commit), little-endian:
+magic ``GGUF``, u32 version (2 or 3), u64 tensor count, u64 metadata count, the metadata
+key/value pairs, the tensor infos (name, u32 n_dims, u64 dims, u32 ggml type, u64 offset), then
+padding to ``general.alignment`` (default 32), then the tensor data. Only the part before the
+data is read, so the first few MB of a model (fetched over SSH, say) are enough.
+"""
+
+import io
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+DEFAULT_ALIGNMENT = 32
+# GGML_MAX_DIMS in ggml.h.
+MAX_DIMS = 4
+# Guards against absurd lengths in a corrupt file before anything is allocated.
+MAX_STRING_BYTES = 1 << 28
+MAX_ARRAY_ITEMS = 1 << 28
+MAX_COUNT = 1 << 24
+READ_CHUNK = 1 << 20
+
+
+class GgufError(ValueError):
+    """A file that is not a readable GGUF header; the message names the file and the problem."""
+
+
+@dataclass(frozen=True)
+class GgmlType:
+    name: str
+    block_size: int
+    type_size: int
+
+
+_QK_K = 256
+# ggml_type id -> block size and bytes per block, as gguf-py's GGML_QUANT_SIZES and the
+# static_asserts of ggml/src/ggml-common.h state them at the pinned commit.
+GGML_TYPES: dict[int, GgmlType] = {
+    0: GgmlType("F32", 1, 4),
+    1: GgmlType("F16", 1, 2),
+    2: GgmlType("Q4_0", 32, 2 + 16),
+    3: GgmlType("Q4_1", 32, 2 + 2 + 16),
+    6: GgmlType("Q5_0", 32, 2 + 4 + 16),
+    7: GgmlType("Q5_1", 32, 2 + 2 + 4 + 16),
+    8: GgmlType("Q8_0", 32, 2 + 32),
+    9: GgmlType("Q8_1", 32, 2 + 2 + 32),
+    10: GgmlType("Q2_K", _QK_K, 2 + 2 + _QK_K // 16 + _QK_K // 4),
+    11: GgmlType("Q3_K", _QK_K, 2 + _QK_K // 4 + _QK_K // 8 + 12),
+    12: GgmlType("Q4_K", _QK_K, 2 + 2 + _QK_K // 2 + 12),
+    13: GgmlType("Q5_K", _QK_K, 2 + 2 + _QK_K // 2 + _QK_K // 8 + 12),
+    14: GgmlType("Q6_K", _QK_K, 2 + _QK_K // 2 + _QK_K // 4 + _QK_K // 16),
+    15: GgmlType("Q8_K", _QK_K, 4 + _QK_K + _QK_K // 8),
+    16: GgmlType("IQ2_XXS", _QK_K, 2 + _QK_K // 4),
+    17: GgmlType("IQ2_XS", _QK_K, 2 + _QK_K // 4 + _QK_K // 32),
+    18: GgmlType("IQ3_XXS", _QK_K, 2 + _QK_K // 4 + _QK_K // 8),
+    19: GgmlType("IQ1_S", _QK_K, 2 + _QK_K // 8 + _QK_K // 16),
+    20: GgmlType("IQ4_NL", 32, 2 + 16),
+    21: GgmlType("IQ3_S", _QK_K, 2 + _QK_K // 4 + _QK_K // 8 + _QK_K // 32 + 4),
+    22: GgmlType("IQ2_S", _QK_K, 2 + _QK_K // 4 + _QK_K // 16),
+    23: GgmlType("IQ4_XS", _QK_K, 2 + 2 + _QK_K // 2 + _QK_K // 64),
+    24: GgmlType("I8", 1, 1),
+    25: GgmlType("I16", 1, 2),
+    26: GgmlType("I32", 1, 4),
+    27: GgmlType("I64", 1, 8),
+    28: GgmlType("F64", 1, 8),
+    29: GgmlType("IQ1_M", _QK_K, _QK_K // 8 + _QK_K // 16 + _QK_K // 32),
+    30: GgmlType("BF16", 1, 2),
+    34: GgmlType("TQ1_0", _QK_K, 2 + 4 * 13),
+    35: GgmlType("TQ2_0", _QK_K, 2 + 64),
+    39: GgmlType("MXFP4", 32, 1 + 16),
+    40: GgmlType("NVFP4", 64, 4 + 32),
+    41: GgmlType("Q1_0", 128, 2 + 16),
+    42: GgmlType("Q2_0", 64, 2 + 16),
+}
+GGML_TYPE_IDS: dict[str, int] = {t.name.lower(): type_id for type_id, t in GGML_TYPES.items()}
+
+
+def ggml_type(type_id_or_name: int | str) -> GgmlType:
+    """The block layout of a ggml type, by id (``8``) or name (``"q8_0"``, any case)."""
+    if isinstance(type_id_or_name, str):
+        type_id = GGML_TYPE_IDS.get(type_id_or_name.lower())
+        if type_id is None:
+            raise ValueError(f"unknown ggml type {type_id_or_name!r}")
+        return GGML_TYPES[type_id]
+    if type_id_or_name not in GGML_TYPES:
+        raise ValueError(f"unknown ggml type id {type_id_or_name}")
+    return GGML_TYPES[type_id_or_name]
+
+
+def row_size(type_id_or_name: int | str, n_elements: int) -> int:
+    """Bytes of ``n_elements`` consecutive values: ggml_row_size() in ggml.c."""
+    t = ggml_type(type_id_or_name)
+    if n_elements % t.block_size:
+        raise ValueError(f"{n_elements} values are not whole {t.name} blocks of {t.block_size}")
+    return n_elements // t.block_size * t.type_size
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # ggml order: shape[0] is the contiguous row length (ne0)
+    ggml_type: int
+    n_bytes: int
+    offset: int  # from the start of the data section
+
+    @property
+    def type_name(self) -> str:
+        return GGML_TYPES[self.ggml_type].name
+
+    @property
+    def n_elements(self) -> int:
+        n = 1
+        for dim in self.shape:
+            n *= dim
+        return n
+
+
+@dataclass(frozen=True)
+class GgufHeader:
+    version: int
+    metadata: dict[str, Any]
+    tensors: list[TensorInfo]
+    data_offset: int
+    alignment: int = DEFAULT_ALIGNMENT
+    source: str = field(default="<bytes>", compare=False)
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        return next((t for t in self.tensors if t.name == name), None)
+
+    @property
+    def architecture(self) -> str:
+        arch = self.metadata.get("general.architecture")
+        if not isinstance(arch, str):
+            raise GgufError(f"{self.source}: no general.architecture key")
+        return arch
+
+    def arch_value(self, suffix: str, default: Any = None) -> Any:
+        """The value of ``<architecture>.<suffix>``, as llama-arch.cpp's LLM_KV names it."""
+        return self.metadata.get(f"{self.architecture}.{suffix}", default)
+
+    def _required_int(self, suffix: str) -> int:
+        value = self.arch_value(suffix)
+        if value is None:
+            raise GgufError(f"{self.source}: no {self.architecture}.{suffix} key")
+        return int(value)
+
+    @property
+    def block_count(self) -> int:
+        """All blocks, MTP/NextN blocks included (llama.cpp's n_layer_all)."""
+        return self._required_int("block_count")
+
+    @property
+    def nextn_predict_layers(self) -> int:
+        return int(self.arch_value("nextn_predict_layers", 0))
+
+    @property
+    def main_layer_count(self) -> int:
+        """Blocks run in the main pass (llama.cpp's n_layer(): n_layer_all - n_layer_nextn)."""
+        return self.block_count - self.nextn_predict_layers
+
+    @property
+    def context_length(self) -> int:
+        return self._required_int("context_length")
+
+    @property
+    def embedding_length(self) -> int:
+        return self._required_int("embedding_length")
+
+    @property
+    def feed_forward_length(self) -> int | list[int] | None:
+        return self.arch_value("feed_forward_length")
+
+    @property
+    def head_count(self) -> int | list[int]:
+        value = self.arch_value("attention.head_count")
+        if value is None:
+            raise GgufError(f"{self.source}: no {self.architecture}.attention.head_count key")
+        return value
+
+    @property
+    def head_count_kv(self) -> int | list[int]:
+        """KV heads, a list when it varies per layer; defaults to head_count as in llama.cpp."""
+        return self.arch_value("attention.head_count_kv", self.head_count)
+
+    def head_count_at(self, layer: int) -> int:
+        return _per_layer(self.head_count, layer)
+
+    def head_count_kv_at(self, layer: int) -> int:
+        return _per_layer(self.head_count_kv, layer)
+
+    @property
+    def key_length(self) -> int:
+        """Head size of K; llama.cpp defaults it to n_embd / n_head (of layer 0)."""
+        value = self.arch_value("attention.key_length")
+        if value is not None:
+            return int(value)
+        return self.embedding_length // self.head_count_at(0)
+
+    @property
+    def value_length(self) -> int:
+        value = self.arch_value("attention.value_length")
+        if value is not None:
+            return int(value)
+        return self.key_length
+
+    @property
+    def full_attention_interval(self) -> int | None:
+        value = self.arch_value("full_attention_interval")
+        return None if value is None else int(value)
+
+    @property
+    def recurrent_layers(self) -> list[bool] | None:
+        """Per-layer ``%s.attention.recurrent_layers`` flags, where the file states them."""
+        value = self.arch_value("attention.recurrent_layers")
+        return None if value is None else [bool(v) for v in value]
+
+    @property
+    def vocab_size(self) -> int:
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        if isinstance(tokens, list) and tokens:
+            return len(tokens)
+        size = self.arch_value("vocab_size")
+        if size is not None:
+            return int(size)
+        embd = self.tensor("token_embd.weight")
+        if embd is None:
+            raise GgufError(f"{self.source}: vocabulary size unknown")
+        return embd.shape[1]
+
+    @property
+    def ssm_conv_kernel(self) -> int:
+        return int(self.arch_value("ssm.conv_kernel", 0))
+
+    @property
+    def ssm_inner_size(self) -> int:
+        return int(self.arch_value("ssm.inner_size", 0))
+
+    @property
+    def ssm_state_size(self) -> int:
+        return int(self.arch_value("ssm.state_size", 0))
+
+    @property
+    def ssm_group_count(self) -> int:
+        return int(self.arch_value("ssm.group_count", 0))
+
+    @property
+    def ssm_time_step_rank(self) -> int:
+        return int(self.arch_value("ssm.time_step_rank", 0))
+
+    @property
+    def total_tensor_bytes(self) -> int:
+        return sum(t.n_bytes for t in self.tensors)
+
+
+def _per_layer(value: int | list[int], layer: int) -> int:
+    return int(value[layer]) if isinstance(value, list) else int(value)
+
+
+_SCALAR_FORMATS = {
+    0: "B",  # uint8
+    1: "b",  # int8
+    2: "H",  # uint16
+    3: "h",  # int16
+    4: "I",  # uint32
+    5: "i",  # int32
+    6: "f",  # float32
+    7: "?",  # bool
+    10: "Q",  # uint64
+    11: "q",  # int64
+    12: "d",  # float64
+}
+_STRING = 8
+_ARRAY = 9
+
+
+class _Reader:
+    """Sequential little-endian reads over a stream, in chunks, failing clearly at the end."""
+
+    def __init__(self, stream: BinaryIO, source: str) -> None:
+        self._stream = stream
+        self._source = source
+        self._buffer = b""
+        self._pos = 0  # within _buffer
+        self._consumed = 0  # bytes of the stream before _buffer
+
+    @property
+    def offset(self) -> int:
+        return self._consumed + self._pos
+
+    def _ensure(self, n: int, what: str) -> None:
+        while len(self._buffer) - self._pos < n:
+            chunk = self._stream.read(max(READ_CHUNK, n))
+            if not chunk:
+                raise GgufError(
+                    f"{self._source}: truncated at byte {len(self._buffer) + self._consumed} "
+                    f"while reading {what} (the header needs more bytes)"
+                )
+            self._consumed += self._pos
+            self._buffer = self._buffer[self._pos :] + chunk
+            self._pos = 0
+
+    def take(self, n: int, what: str) -> bytes:
+        self._ensure(n, what)
+        data = self._buffer[self._pos : self._pos + n]
+        self._pos += n
+        return data
+
+    def unpack(self, fmt: str, what: str) -> tuple[Any, ...]:
+        size = struct.calcsize("<" + fmt)
+        self._ensure(size, what)
+        values = struct.unpack_from("<" + fmt, self._buffer, self._pos)
+        self._pos += size
+        return values
+
+    def u32(self, what: str) -> int:
+        return self.unpack("I", what)[0]
+
+    def u64(self, what: str) -> int:
+        return self.unpack("Q", what)[0]
+
+    def string(self, what: str) -> str:
+        length = self.u64(f"the length of {what}")
+        if length > MAX_STRING_BYTES:
+            raise GgufError(f"{self._source}: {what} claims {length} bytes (corrupt file?)")
+        raw = self.take(length, what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            # tokenizer vocabularies may hold invalid UTF-8 byte pieces; keep them readable
+            return raw.decode("utf-8", errors="surrogateescape")
+
+    def value(self, value_type: int, what: str) -> Any:
+        if value_type == _STRING:
+            return self.string(what)
+        if value_type == _ARRAY:
+            item_type = self.u32(f"the item type of {what}")
+            count = self.u64(f"the item count of {what}")
+            if count > MAX_ARRAY_ITEMS:
+                raise GgufError(f"{self._source}: {what} claims {count} items (corrupt file?)")
+            if item_type in _SCALAR_FORMATS:
+                return list(self.unpack(f"{count}{_SCALAR_FORMATS[item_type]}", what))
+            return [self.value(item_type, what) for _ in range(count)]
+        if value_type not in _SCALAR_FORMATS:
+            raise GgufError(f"{self._source}: {what} has unknown value type {value_type}")
+        return self.unpack(_SCALAR_FORMATS[value_type], what)[0]
+
+
+def read_gguf_header(
+    source: BinaryIO | bytes | bytearray | memoryview, name: str = ""
+) -> GgufHeader:
+    """Parse the header from a binary stream positioned at the file's start, or from bytes.
+
+    Reads no further than the header needs (plus at most one read chunk); ``name`` is used in
+    error messages.
+    """
+    if isinstance(source, bytes | bytearray | memoryview):
+        stream: BinaryIO = io.BytesIO(bytes(source))
+        label = name or "<bytes>"
+    else:
+        stream = source
+        label = name or str(getattr(source, "name", "<stream>"))
+    reader = _Reader(stream, label)
+
+    magic = reader.take(4, "the magic")
+    if magic != GGUF_MAGIC:
+        raise GgufError(f"{label}: not a GGUF file (magic {magic!r}, expected {GGUF_MAGIC!r})")
+    version = reader.u32("the version")
+    if version not in SUPPORTED_VERSIONS:
+        if version & 0xFFFF == 0 and (version >> 24) in SUPPORTED_VERSIONS:
+            raise GgufError(f"{label}: big-endian GGUF is not supported")
+        raise GgufError(f"{label}: GGUF version {version} is not supported (2 or 3)")
+    n_tensors = reader.u64("the tensor count")
+    n_kv = reader.u64("the metadata count")
+    if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
+        raise GgufError(f"{label}: {n_tensors} tensors / {n_kv} keys (corrupt file?)")
+
+    metadata: dict[str, Any] = {}
+    for index in range(n_kv):
+        key = reader.string(f"metadata key #{index}")
+        value_type = reader.u32(f"the type of {key}")
+        if key in metadata:
+            raise GgufError(f"{label}: duplicate metadata key {key}")
+        metadata[key] = reader.value(value_type, key)
+
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise GgufError(f"{label}: general.alignment {alignment!r} is not a power of two")
+
+    tensors = list(_read_tensor_infos(reader, n_tensors, label))
+    data_offset = -(-reader.offset // alignment) * alignment
+    return GgufHeader(version, metadata, tensors, data_offset, alignment, label)
+
+
+def _read_tensor_infos(reader: _Reader, n_tensors: int, label: str) -> Iterator[TensorInfo]:
+    for index in range(n_tensors):
+        name = reader.string(f"the name of tensor #{index}")
+        n_dims = reader.u32(f"the dimension count of {name}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GgufError(f"{label}: tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS})")
+        shape = reader.unpack(f"{n_dims}Q", f"the shape of {name}")
+        type_id = reader.u32(f"the type of {name}")
+        offset = reader.u64(f"the offset of {name}")
+        if type_id not in GGML_TYPES:
+            raise GgufError(f"{label}: tensor {name} has unknown ggml type {type_id}")
+        layout = GGML_TYPES[type_id]
+        if shape[0] % layout.block_size:
+            raise GgufError(
+                f"{label}: tensor {name} row of {shape[0]} is not whole {layout.name} blocks"
+            )
+        n_bytes = shape[0] // layout.block_size * layout.type_size
+        for dim in shape[1:]:
+            n_bytes *= dim
+        yield TensorInfo(name, tuple(shape), type_id, n_bytes, offset)
+
+
+def read_gguf_header_file(path: str | Path) -> GgufHeader:
+    with open(path, "rb") as stream:
+        return read_gguf_header(stream, str(path))

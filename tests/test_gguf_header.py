@@ -1,0 +1,186 @@
+import io
+import struct
+
+import numpy as np
+import pytest
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
+
+from llamarig.gguf_header import (
+    GGML_TYPES,
+    READ_CHUNK,
+    GgufError,
+    ggml_type,
+    read_gguf_header,
+    read_gguf_header_file,
+    row_size,
+)
+from tests.ggufmodels import Qwen35Shape, write_llama, write_qwen35
+
+
+def test_type_sizes_match_gguf_py():
+    for quant_type, (block_size, type_size) in GGML_QUANT_SIZES.items():
+        if quant_type.name == "Q8_1":
+            # gguf 0.19.0 says 40 bytes; the pinned ggml has two halves + 32 quants (static_assert)
+            assert GGML_TYPES[int(quant_type)].type_size == 36
+            continue
+        assert GGML_TYPES[int(quant_type)].block_size == block_size, quant_type.name
+        assert GGML_TYPES[int(quant_type)].type_size == type_size, quant_type.name
+    assert ggml_type("Q8_0") == ggml_type(8)
+    assert row_size("q8_0", 1024) == 1088
+    assert row_size("q4_0", 256) == 144
+    with pytest.raises(ValueError):
+        row_size("q8_0", 100)
+
+
+def test_reads_what_gguf_py_reads(tmp_path):
+    path = tmp_path / "small.gguf"
+    writer = GGUFWriter(path, "llama")
+    writer.add_uint32("llama.block_count", 2)
+    writer.add_int32("test.i32", -5)
+    writer.add_uint64("test.u64", 1 << 40)
+    writer.add_float32("test.f32", 0.5)
+    writer.add_float64("test.f64", 0.25)
+    writer.add_bool("test.bool", True)
+    writer.add_string("test.str", "héllo")
+    writer.add_array("test.tokens", ["a", "bc", ""])
+    writer.add_array("test.ints", [1, 2, 3])
+    writer.add_key_value("test.u8s", [1, 2], GGUFValueType.ARRAY, GGUFValueType.UINT8)
+    writer.add_tensor("a.weight", np.zeros((3, 64), dtype=np.float32))
+    writer.add_tensor("b.weight", np.zeros((5,), dtype=np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    header = read_gguf_header_file(path)
+    reference = GGUFReader(path)
+    assert header.version == 3
+    assert header.metadata["general.architecture"] == "llama"
+    assert header.metadata["test.i32"] == -5
+    assert header.metadata["test.u64"] == 1 << 40
+    assert header.metadata["test.f32"] == 0.5
+    assert header.metadata["test.f64"] == 0.25
+    assert header.metadata["test.bool"] is True
+    assert header.metadata["test.str"] == "héllo"
+    assert header.metadata["test.tokens"] == ["a", "bc", ""]
+    assert header.metadata["test.ints"] == [1, 2, 3]
+    assert header.metadata["test.u8s"] == [1, 2]
+    assert header.data_offset == reference.data_offset
+    by_name = {t.name: t for t in reference.tensors}
+    for t in header.tensors:
+        ref = by_name[t.name]
+        assert t.shape == tuple(int(d) for d in ref.shape)
+        assert t.ggml_type == int(ref.tensor_type)
+        assert t.n_bytes == int(ref.n_bytes)
+        assert header.data_offset + t.offset == int(ref.data_offset)
+    assert header.tensor("a.weight").shape == (64, 3)  # ggml order: row length first
+
+
+def test_qwen36_shape_properties(tmp_path):
+    header = read_gguf_header_file(write_qwen35(tmp_path / "q.gguf"))
+    assert header.architecture == "qwen35"
+    assert header.block_count == 65 and header.nextn_predict_layers == 1
+    assert header.main_layer_count == 64
+    assert header.context_length == 262144
+    assert header.embedding_length == 5120
+    assert header.head_count == 24 and header.head_count_kv == 4
+    assert header.key_length == header.value_length == 256
+    assert header.full_attention_interval == 4
+    assert header.vocab_size == 248320
+    assert (header.ssm_conv_kernel, header.ssm_state_size) == (4, 128)
+    assert (header.ssm_group_count, header.ssm_time_step_rank, header.ssm_inner_size) == (
+        16,
+        48,
+        6144,
+    )
+    embd = header.tensor("token_embd.weight")
+    assert embd.shape == (5120, 248320) and embd.type_name == "Q8_0"
+    assert embd.n_bytes == 248320 * 5120 // 32 * 34
+    # a 27B Q8_0 model: about 29 GB of tensors described by a 52 KB header
+    assert 28e9 < header.total_tensor_bytes < 30e9
+    assert header.data_offset < 64 * 1024
+
+
+def test_defaults_follow_llama_cpp(tmp_path):
+    header = read_gguf_header_file(write_llama(tmp_path / "l.gguf", n_embd=128, n_head=2))
+    assert header.key_length == header.value_length == 64  # n_embd / n_head
+    assert header.nextn_predict_layers == 0
+    assert header.full_attention_interval is None
+
+
+def test_per_layer_head_counts(tmp_path):
+    from tests.ggufmodels import llama_metadata, llama_tensors, write_gguf
+
+    metadata = llama_metadata(2, 128, 256, 2, 2, 100, 4096)
+    metadata["llama.attention.head_count_kv"] = [2, 0]
+    header = read_gguf_header_file(
+        write_gguf(tmp_path / "m.gguf", "llama", metadata, llama_tensors(2, 128, 256, 2, 2, 100))
+    )
+    assert header.head_count_kv == [2, 0]
+    assert header.head_count_kv_at(1) == 0 and header.head_count_at(1) == 2
+
+
+class CountingReader(io.RawIOBase):
+    def __init__(self, path):
+        self._file = open(path, "rb")  # noqa: SIM115
+        self.bytes_read = 0
+
+    def readable(self):
+        return True
+
+    def read(self, n=-1):
+        data = self._file.read(n)
+        self.bytes_read += len(data)
+        return data
+
+    def close(self):
+        self._file.close()
+        super().close()
+
+
+def test_reads_only_the_header(tmp_path):
+    path = write_qwen35(tmp_path / "q.gguf", Qwen35Shape(n_layer=8), full_size=True)
+    stream = CountingReader(path)
+    header = read_gguf_header(stream)
+    stream.close()
+    assert path.stat().st_size > 3e9  # sparse, the size the tensor table implies
+    assert stream.bytes_read <= header.data_offset + READ_CHUNK
+
+
+def test_header_prefix_is_enough(tmp_path):
+    path = write_qwen35(tmp_path / "q.gguf")
+    data = path.read_bytes()
+    header = read_gguf_header(data[: read_gguf_header_file(path).data_offset], name="prefix")
+    assert len(header.tensors) == len(read_gguf_header_file(path).tensors)
+
+
+def test_truncated_header_names_file_and_problem(tmp_path):
+    path = write_qwen35(tmp_path / "q.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[:20000])
+    with pytest.raises(GgufError, match=r"cut\.gguf: truncated at byte 20000 while reading"):
+        read_gguf_header_file(cut)
+
+
+def test_bad_magic(tmp_path):
+    path = tmp_path / "x.bin"
+    path.write_bytes(b"GGML" + bytes(20))
+    with pytest.raises(GgufError, match=r"x\.bin: not a GGUF file"):
+        read_gguf_header_file(path)
+
+
+@pytest.mark.parametrize(
+    ("version_bytes", "message"),
+    [
+        (struct.pack("<I", 1), "GGUF version 1 is not supported"),
+        (struct.pack(">I", 3), "big-endian GGUF is not supported"),
+    ],
+)
+def test_unsupported_versions(version_bytes, message):
+    with pytest.raises(GgufError, match=message):
+        read_gguf_header(b"GGUF" + version_bytes + bytes(16), name="v.gguf")
+
+
+def test_empty_input():
+    with pytest.raises(GgufError, match="empty.gguf: truncated at byte 0 while reading the magic"):
+        read_gguf_header(b"", name="empty.gguf")
