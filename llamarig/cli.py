@@ -1,4 +1,4 @@
-"""The `llamarig` command: the sandbox rig, and what the deploy would write for each host."""
+"""The `llamarig` command: plan the rigs, try a completion, run the sandbox rig."""
 
 from __future__ import annotations
 
@@ -11,25 +11,54 @@ import sys
 
 from llamarig import render
 from llamarig.config import ConfigError, inventory_path, load_inventory
+from llamarig.plan import gpus_from_pci, load_header, plan_host
 
 
-def _render(args: argparse.Namespace) -> int:
+def _probe(data: dict) -> tuple[list[dict] | None, str, str | None]:
+    """GPUs of a host over SSH: nvidia-smi when the driver answers, else PCI ids from sysfs."""
+    from llamarig.facts import NVIDIA_SMI_FIELDS, NvidiaPciDevices, parse_nvidia_smi_line
+
+    query = f"nvidia-smi --query-gpu={','.join(NVIDIA_SMI_FIELDS)} --format=csv,noheader,nounits"
+    result = _on_host(data, query)
+    lines = [line for line in result.stdout.splitlines() if line.strip()]
+    if result.returncode == 0 and lines:
+        gpus = [parse_nvidia_smi_line(line) for line in lines]
+        return gpus, "nvidia-smi", gpus[0]["driver_version"]
+    result = _on_host(data, NvidiaPciDevices().command())
+    devices = NvidiaPciDevices().process(result.stdout.splitlines())
+    gpus, _ = gpus_from_pci(devices)
+    return gpus or None, "PCI ids", None
+
+
+def _on_host(data: dict, command: str) -> subprocess.CompletedProcess:
+    argv = ["sh", "-c", command] if data["ssh"].get("local") else [*ssh_command(data), command]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+
+
+def _plan(args: argparse.Namespace) -> int:
     inventory = load_inventory()
-    names = [args.host] if args.host else list(inventory.hosts)
-    for name in names:
-        if name not in inventory.hosts:
-            print(f"llamarig: no host {name!r} in {inventory.path}", file=sys.stderr)
-            return 2
-        data = inventory.hosts[name].data
-        print(f"# {name} ({inventory.path})")
-        print(f"build directory: {render.layout(data)['build']}")
-        print("cmake:", render.shell_join(render.cmake_configure_command(data)))
-        print("      ", render.shell_join(render.cmake_build_command(data)))
-        print("server:", render.shell_join(render.server_args(data)))
-        if args.unit:
-            print(render.render_unit(data))
-            print(render.render_env_file(data))
-    return 0
+    if args.host and args.host not in inventory.hosts:
+        print(f"llamarig: no host {args.host!r} in {inventory.path}", file=sys.stderr)
+        return 2
+    plans = {}
+    for name, host_config in inventory.hosts.items():
+        if args.host and name != args.host:
+            continue
+        data = host_config.data
+        probed, source, driver_version = _probe(data) if args.probe else (None, "probed", None)
+        header, note = None, ""
+        if data["llama_cpp"]["backend"] == "cuda":
+            header, note = load_header(data, args.model)
+        plans[name] = plan_host(name, data, header, note, probed, source, driver_version)
+    if args.json:
+        print(json.dumps({"hosts": {n: p.to_json() for n, p in plans.items()}}, indent=2))
+    else:
+        for host_plan in plans.values():
+            print(host_plan.report())
+            if args.unit and host_plan.server_args_ready:
+                print(render.render_unit(host_plan.resolved))
+                print(render.render_env_file(host_plan.resolved))
+    return 0 if all(p.fits for p in plans.values()) else 1
 
 
 def ssh_command(data: dict) -> list[str]:
@@ -76,13 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    render_parser = commands.add_parser(
-        "render",
-        help=f"validate RIG_INVENTORY (now {inventory_path()}) and print the cmake and "
-        "llama-server commands the deploy would use",
+    plan_parser = commands.add_parser(
+        "plan",
+        help=f"plan each host of RIG_INVENTORY (now {inventory_path()}) without changing "
+        "anything: GPUs, architectures, version checks, per-GPU memory, cmake and llama-server "
+        "arguments; exit 1 when a plan does not fit",
     )
-    render_parser.add_argument("--host", help="only this host")
-    render_parser.add_argument("--unit", action="store_true", help="also print unit and env file")
+    plan_parser.add_argument("--host", help="only this host")
+    plan_parser.add_argument("--model", help="plan against this local GGUF file")
+    plan_parser.add_argument(
+        "--probe", action="store_true", help="read the GPUs from the host over SSH"
+    )
+    plan_parser.add_argument("--json", action="store_true", help="print one JSON object")
+    plan_parser.add_argument("--unit", action="store_true", help="also print unit and env file")
 
     complete_parser = commands.add_parser(
         "complete", help="send a completion to each host's server (over SSH) and print it"
@@ -104,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return sandbox.main(argv[1:])
     args = parser.parse_args(argv)
     try:
-        return {"render": _render, "complete": _complete}[args.command](args)
+        return {"plan": _plan, "complete": _complete}[args.command](args)
     except ConfigError as error:
         print("llamarig: the rig configuration is not valid:", file=sys.stderr)
         for problem in error.problems:

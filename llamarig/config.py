@@ -322,7 +322,7 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
             )
         )
     split = server["tensor_split"]
-    if split is not None:
+    if isinstance(split, list):
         if not any(split):
             problems.append((("server", "tensor_split"), "needs at least one non-zero share"))
         if gpus and len(split) != len(gpus):
@@ -333,10 +333,14 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
                     f"{len(gpus)} declared GPUs; give one share per GPU, in `gpus` order",
                 )
             )
-        if backend == "cpu":
-            problems.append(
-                (("server", "tensor_split"), "applies to GPUs only; set null for a cpu build")
-            )
+    if split is not None and backend == "cpu":
+        problems.append(
+            (("server", "tensor_split"), "applies to GPUs only; set null for a cpu build")
+        )
+    if server["ctx"] == "auto" and backend == "cpu":
+        problems.append(
+            (("server", "ctx"), "`auto` plans GPU memory; give a number for a cpu build")
+        )
 
     spec_types = server["spec"]["type"]
     if "none" in spec_types and len(spec_types) > 1:

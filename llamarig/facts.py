@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import shlex
 
@@ -171,3 +172,15 @@ class ServerProbe(FactBase):
             "completion_ok": completion_ok,
             "tokens_per_second": timings.get("predicted_per_second"),
         }
+
+
+class FileHead(FactBase):
+    """The first ``size`` bytes of a file (a model's GGUF header), or None when it is missing."""
+
+    def command(self, path: str, size: int) -> str:
+        quoted = shlex.quote(path)
+        return f"if [ -f {quoted} ]; then head -c {int(size)} {quoted} | base64 -w0; echo; fi"
+
+    def process(self, output):
+        text = "".join(output).strip()
+        return base64.b64decode(text) if text else None

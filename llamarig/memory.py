@@ -146,16 +146,18 @@ class MemoryPlan:
 
     def table(self) -> str:
         """Per-GPU MiB: what is planned, what it needs with the margin, what it has."""
+        width = max([len("GPU"), *(len(d.name) for d in self.devices)]) + 2
         header = (
-            f"{'GPU':<16}{'weights':>9}{'KV':>8}{'state':>7}{'compute':>9}{'reserve':>9}"
+            f"{'GPU':<{width}}{'weights':>9}{'KV':>8}{'state':>7}{'compute':>9}{'reserve':>9}"
             f"{'planned':>9}{'need':>8}{'have':>8}{'deficit':>9}"
         )
         lines = [header]
         for d in self.devices:
             deficit = max(0, d.need_mib - d.vram_mib)
             lines.append(
-                f"{d.name:<16}{d.weights_mib:>9}{d.kv_mib:>8}{d.state_mib:>7}{d.compute_mib:>9}"
-                f"{d.reserve_mib:>9}{d.planned_mib:>9}{d.need_mib:>8}{d.vram_mib:>8}{deficit:>9}"
+                f"{d.name:<{width}}{d.weights_mib:>9}{d.kv_mib:>8}{d.state_mib:>7}"
+                f"{d.compute_mib:>9}{d.reserve_mib:>9}{d.planned_mib:>9}{d.need_mib:>8}"
+                f"{d.vram_mib:>8}{deficit:>9}"
             )
         return "\n".join(lines)
 

@@ -4,6 +4,7 @@ run with nothing to do yields nothing (and pyinfra counts it as unchanged)."""
 from __future__ import annotations
 
 import json
+import re
 import shlex
 
 from pyinfra import host
@@ -231,3 +232,46 @@ echo "$answer" | grep -q '"content"' || {{
 echo "llamarig: {service} serves at {base_url}"
 """
     yield script.strip()
+
+
+def server_flags(args: list[str]) -> list[str]:
+    """The option names in a llama-server command line (values such as ``-1`` excluded)."""
+    return sorted({arg.split("=", 1)[0] for arg in args[1:] if re.match(r"^--?[A-Za-z]", arg)})
+
+
+@operation(is_idempotent=False)
+def check_server_flags(binary: str, args: list[str]):
+    """
+    Fail unless the built llama-server knows every option of ``args`` (from its ``--help``).
+
+    + binary: the llama-server of the build about to be used
+    + args: the command line the unit will run
+
+    Runs before the `current` link and the unit change, so a flag the binary does not know
+    stops the run while the old server keeps serving. Guard it to run only when the build or
+    the command line changes.
+
+    **Example:**
+
+    .. code:: python
+
+        check_server_flags(
+            binary="/opt/llamarig/builds/0c1e57098bba-1a2b3c4d5e/bin/llama-server",
+            args=["llama-server", "-m", "/opt/llamarig/models/m.gguf", "-lm", "none"],
+        )
+    """
+    flags = " ".join(shlex.quote(flag) for flag in server_flags(args))
+    q_binary = shlex.quote(binary)
+    yield f"""
+help=$({q_binary} --help 2>&1) || {{ echo "llamarig: {binary} --help failed:" >&2; \
+printf '%s\\n' "$help" | tail -5 >&2; exit 1; }}
+unknown=""
+for flag in {flags}; do
+  printf '%s\\n' "$help" | grep -qE -- "(^|[ ,])$flag([ ,=]|$)" || unknown="$unknown $flag"
+done
+if [ -n "$unknown" ]; then
+  echo "llamarig: {binary} does not know:$unknown - fix server.extra_args (or the setting" \
+    "that adds it); the unit and the running server were left unchanged" >&2
+  exit 1
+fi
+""".strip()

@@ -178,7 +178,8 @@ def server_args(data: dict) -> list[str]:
     return args
 
 
-def _pci_sort_key(bus_id: str) -> tuple[int, ...]:
+def pci_sort_key(bus_id: str) -> tuple[int, ...]:
+    """Numeric order of a PCI bus id ("0000:01:00.0" or "00000000:01:00.0" or "01:00.0")."""
     domain, bus, rest = (["0000"] + bus_id.split(":"))[-3:]
     device, function = rest.split(".")
     return tuple(int(part, 16) for part in (domain, bus, device, function))
@@ -193,9 +194,33 @@ def cuda_device_names(gpus: list[dict]) -> list[str]:
     """
     if not all(gpu.get("pci_bus_id") for gpu in gpus):
         return [f"CUDA{index}" for index in range(len(gpus))]
-    by_bus = sorted(range(len(gpus)), key=lambda i: _pci_sort_key(gpus[i]["pci_bus_id"]))
+    by_bus = sorted(range(len(gpus)), key=lambda i: pci_sort_key(gpus[i]["pci_bus_id"]))
     cuda_index = {declared: rank for rank, declared in enumerate(by_bus)}
     return [f"CUDA{cuda_index[declared]}" for declared in range(len(gpus))]
+
+
+# Options the seed articles use that the pinned llama.cpp renamed: old -> new (with values).
+RENAMED_FLAGS = {
+    "--no-mmap": ["-lm", "none"],
+    "--draft-max": ["--spec-draft-n-max"],
+    "--draft": ["--spec-draft-n-max"],
+}
+
+
+def translate_renamed(args: list[str]) -> tuple[list[str], list[str]]:
+    """Replace renamed options in user-given arguments; return the new list and warnings."""
+    translated, warnings = [], []
+    for arg in args:
+        if arg in RENAMED_FLAGS:
+            replacement = RENAMED_FLAGS[arg]
+            warnings.append(
+                f"server.extra_args: {arg} is gone from the pinned llama.cpp; using "
+                f"{' '.join(replacement)} instead (update the rig file)"
+            )
+            translated += replacement
+        else:
+            translated.append(arg)
+    return translated, warnings
 
 
 def _number(value: float) -> str:
@@ -259,6 +284,10 @@ def render_env_file(data: dict) -> str:
         .get_template("llama-server.env.j2")
         .render(environment=service_environment(data))
     )
+
+
+def sha256_text(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def shell_join(args: list[str]) -> str:

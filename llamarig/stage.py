@@ -14,8 +14,16 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.connectors.local import LocalConnector
 
 from llamarig.config import ConfigError, rig_data
+from llamarig.facts import FileHead, NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.gguf_header import GgufError, read_gguf_header
+from llamarig.plan import HostPlan, fetch_header, gpus_from_pci, plan_host
+from llamarig.render import layout
+
+# A GGUF header with a 250k-token vocabulary is about 10 MiB; it travels base64 over SSH.
+HOST_HEADER_READ = 16 << 20
 
 _rigs: dict[str, dict] = {}
+_plans: dict[str, HostPlan] = {}
 _recorded: dict[str, dict[str, list[OperationMeta]]] = defaultdict(lambda: defaultdict(list))
 
 
@@ -27,6 +35,52 @@ def rig() -> dict:
         except ConfigError as error:
             refuse(error.problems)
     return _rigs[host.name]
+
+
+def plan() -> HostPlan:
+    """The plan of the host being prepared: its GPUs (nvidia-smi, else PCI ids) and the model's
+    GGUF header (read from the model's URL, else from the file on the host)."""
+    if host.name not in _plans:
+        data = rig()
+        probed, source, driver_version = None, "probed", None
+        header, note = None, ""
+        if data["llama_cpp"]["backend"] == "cuda":
+            probed, source, driver_version = _probe_gpus()
+            header, note = _model_header(data)
+        _plans[host.name] = plan_host(host.name, data, header, note, probed, source, driver_version)
+    return _plans[host.name]
+
+
+def _probe_gpus() -> tuple[list[dict] | None, str, str | None]:
+    smi = host.get_fact(NvidiaSmiGpus)
+    if smi:
+        return smi, "nvidia-smi", smi[0]["driver_version"]
+    pci = host.get_fact(NvidiaPciDevices)
+    if not pci:
+        return None, "PCI ids", None
+    gpus, warnings = gpus_from_pci(pci)
+    for warning in warnings:
+        host.noop(warning)
+    return gpus, "PCI ids", None
+
+
+def _model_header(data: dict):
+    """The header from the model's URL (before anything is on the host), else the host's file."""
+    reasons = []
+    if data["model"]["url"]:
+        try:
+            return fetch_header(data["model"]["url"]), ""
+        except (OSError, GgufError) as error:
+            reasons.append(f"{data['model']['url']}: {error}")
+    path = layout(data)["model"]
+    head = host.get_fact(FileHead, path=path, size=HOST_HEADER_READ)
+    if head is None:
+        reasons.append(f"{path} is not on the host yet")
+        return None, "; ".join(reasons)
+    try:
+        return read_gguf_header(head, name=path), ""
+    except GgufError as error:
+        return None, "; ".join([*reasons, str(error)])
 
 
 def refuse(problems: list[str]) -> None:

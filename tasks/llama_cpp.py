@@ -1,11 +1,14 @@
 """llama.cpp: build dependencies, the pinned commit, one build per (commit, options) in its own
 directory, and the `current` link the service runs through."""
 
+from pyinfra import host
+from pyinfra.facts.files import Sha256File
 from pyinfra.operations import apt, files
 
 from llamarig import operations, render, stage
 
-rig = stage.rig()
+# The plan's data: CUDA architectures from the probed GPUs when none are declared.
+rig = stage.plan().resolved
 paths = render.layout(rig)
 llama_cpp = rig["llama_cpp"]
 
@@ -30,7 +33,7 @@ operations.git_commit(
     path=paths["source"],
     commit=llama_cpp["commit"],
 )
-operations.cmake_build(
+build = operations.cmake_build(
     name=f"Build {', '.join(llama_cpp['targets'])} ({render.build_id(rig)})",
     source=paths["source"],
     build_dir=paths["build"],
@@ -41,6 +44,16 @@ operations.cmake_build(
     ccache_dir=rig["paths"]["ccache"] if llama_cpp["ccache"] else None,
     ccache_basedir=rig["paths"]["prefix"],
 )
+# A command line the binary does not know must stop the run before the link and unit change.
+unit_differs = host.get_fact(Sha256File, path=paths["unit"]) != render.sha256_text(
+    render.render_unit(rig)
+)
+if build.will_change or unit_differs:
+    operations.check_server_flags(
+        name="llama-server knows every option of the command line",
+        binary=f"{paths['build']}/bin/llama-server",
+        args=render.server_args(rig),
+    )
 stage.record(
     "server",
     files.link(

@@ -15,19 +15,19 @@ pci_gpus = host.get_fact(NvidiaPciDevices)
 driver_gpus = host.get_fact(NvidiaSmiGpus)
 firmware = host.get_fact(FirmwareBoot)
 
-if rig["llama_cpp"]["backend"] == "cuda":
-    if not pci_gpus:
-        problems.append(
-            "no NVIDIA GPU on the PCI bus (sysfs vendor 0x10de); set llama_cpp.backend: cpu "
-            "and driver/cuda source: none for a CPU-only rig"
-        )
-    elif rig["gpus"] and len(rig["gpus"]) != len(pci_gpus):
-        problems.append(
-            f"the rig data declares {len(rig['gpus'])} GPUs but the host has {len(pci_gpus)} "
-            f"({', '.join(gpu['bus_id'] for gpu in pci_gpus)}); fix `gpus`"
-        )
+if rig["llama_cpp"]["backend"] == "cuda" and not pci_gpus:
+    problems.append(
+        "no NVIDIA GPU on the PCI bus (sysfs vendor 0x10de); set llama_cpp.backend: cpu "
+        "and driver/cuda source: none for a CPU-only rig"
+    )
 if problems:
     stage.refuse(problems)
+# The plan checks the GPUs against the declaration, the version floors and the memory.
+plan = stage.plan()
+if plan.errors:
+    stage.refuse(plan.errors)
+for warning in plan.warnings:
+    host.noop(f"warning: {warning}")
 
 secure_boot = {True: "on", False: "off", None: "unknown"}[firmware["secure_boot"]]
 gpu_summary = (

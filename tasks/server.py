@@ -8,7 +8,8 @@ from pyinfra.operations.util import any_changed
 
 from llamarig import operations, render, stage
 
-rig = stage.rig()
+# The plan's data: ctx and tensor_split resolved from the GPUs and the model header.
+rig = stage.plan().resolved
 server = rig["server"]
 paths = render.layout(rig)
 service = f"{server['service']}.service"

@@ -1,0 +1,341 @@
+"""The rig plan: from rig data, the GPUs (declared or probed) and the model's GGUF header, work
+out the CUDA architectures, the version checks, the per-GPU memory, the tensor split and the
+context, and the final cmake and llama-server arguments.
+
+The deploy (tasks/preflight.py refuses a plan with errors; the build and server stages write
+its arguments) and `llamarig plan` use this one code path.
+"""
+
+from __future__ import annotations
+
+import copy
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from llamarig import render
+from llamarig.gguf_header import GgufError, GgufHeader, read_gguf_header
+from llamarig.hardware import check_versions, gpu_from_pci_id
+from llamarig.memory import Device, MemoryPlan, plan_memory
+
+# llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
+DEFAULT_DRAFT_MAX = 3
+HEADER_FIRST_READ = 8 << 20
+HEADER_MAX_READ = 256 << 20
+
+TENSOR_MODE_LIMITS = (
+    "tensor mode rounds each split point to a block, so the real split drifts from the ratio; "
+    "keep the per-GPU margin (planner.margin_mib) and test with a long-context request",
+    "the MTP draft context is allocated last: a card that is nearly full fails at the very "
+    "end of loading",
+    "three or more GPUs crashed in ggml-backend-meta at some builds (llama.cpp #26837)",
+)
+
+# Names that differ between nvidia-smi and the PCI table ("NVIDIA GeForce RTX 3090" vs
+# "GeForce RTX 3090"): compared without vendor words.
+_VENDOR_WORDS = {"nvidia", "geforce"}
+VRAM_TOLERANCE = 0.05
+
+
+@dataclass
+class HostPlan:
+    """Everything llamarig decided for one host, and why it would refuse."""
+
+    host: str
+    resolved: dict  # the rig data with ctx and tensor_split resolved
+    gpus: list[dict]
+    gpu_source: str  # declared | probed | pci | none
+    cuda_architectures: str | None
+    memory: MemoryPlan | None
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.errors and (self.memory is None or self.memory.fits)
+
+    @property
+    def server_args(self) -> list[str]:
+        return render.server_args(self.resolved)
+
+    @property
+    def cmake_args(self) -> list[str]:
+        return render.cmake_configure_command(self.resolved)
+
+    def to_json(self) -> dict[str, Any]:
+        server = self.resolved["server"]
+        devices = []
+        for index, gpu in enumerate(self.gpus):
+            row = {"index": index, "name": gpu["name"], "vram_total_mib": gpu["vram_mib"]}
+            if self.memory:
+                device = self.memory.devices[index]
+                row.update(
+                    weights_mib=device.weights_mib,
+                    kv_mib=device.kv_mib + device.state_mib,
+                    compute_mib=device.compute_mib,
+                    reserve_mib=device.reserve_mib,
+                    planned_mib=device.planned_mib,
+                )
+            devices.append(row)
+        return {
+            "fits": self.fits,
+            "errors": self.errors,
+            "warnings": self.warnings,
+            "cuda_architectures": self.cuda_architectures or "",
+            "split_mode": server["split_mode"],
+            "tensor_split": list(server["tensor_split"] or []),
+            "ctx": server["ctx"],
+            "devices": devices,
+            "server_args": self.server_args if self.server_args_ready else [],
+            "cmake_args": self.cmake_args,
+        }
+
+    @property
+    def server_args_ready(self) -> bool:
+        server = self.resolved["server"]
+        return "auto" not in (server["ctx"], server["tensor_split"])
+
+    def report(self) -> str:
+        """The plan as a person reads it."""
+        server = self.resolved["server"]
+        lines = [f"== {self.host}: {'fits' if self.fits else 'REFUSED'}"]
+        for index, gpu in enumerate(self.gpus):
+            lines.append(
+                f"  GPU {index} ({self.gpu_source}): {gpu['name']}, {gpu['vram_mib']} MiB, "
+                f"compute {gpu['compute_capability']}"
+                + (f", {gpu['bus_id']}" if gpu.get("bus_id") else "")
+            )
+        if self.cuda_architectures:
+            lines.append(f"  CUDA architectures: {self.cuda_architectures}")
+        if self.memory:
+            ratio = ", ".join(f"{share:.3f}" for share in self.memory.ratio)
+            lines.append(
+                f"  split {server['split_mode']} ratio [{ratio}], ctx {self.memory.ctx}, "
+                f"KV {self.memory.type_k}/{self.memory.type_v}; "
+                f"{self.memory.host_weights_mib} MiB of weights stay in host memory"
+            )
+            if self.memory.fits:  # otherwise the table is part of the error below
+                lines.extend("  " + line for line in self.memory.table().splitlines())
+        lines.extend(f"  error: {error}" for error in self.errors)
+        lines.extend(f"  warning: {warning}" for warning in self.warnings)
+        lines.extend(f"  note: {note}" for note in self.notes)
+        if self.server_args_ready:
+            lines.append("  llama-server: " + render.shell_join(self.server_args))
+        lines.append("  cmake: " + render.shell_join(self.cmake_args))
+        return "\n".join(lines)
+
+
+def _name_words(name: str) -> list[str]:
+    return [word for word in name.lower().split() if word not in _VENDOR_WORDS]
+
+
+def gpus_from_pci(devices: list[dict]) -> tuple[list[dict], list[str]]:
+    """GPU records from PCI device ids (before a driver exists); unknown ids become warnings."""
+    gpus, warnings = [], []
+    for device in devices:
+        model = gpu_from_pci_id(device["device_id"])
+        if model is None:
+            warnings.append(
+                f"PCI device 10de:{device['device_id'][2:]} at {device['bus_id']} is not in "
+                "llamarig's table; declare it in `gpus`"
+            )
+            continue
+        gpus.append(
+            {
+                "name": model.name,
+                "vram_mib": model.vram_mib,
+                "compute_capability": model.compute_capability,
+                "bus_id": device["bus_id"],
+            }
+        )
+    return gpus, warnings
+
+
+def compare_gpus(declared: list[dict], found: list[dict], where: str) -> list[str]:
+    """Differences between the declared GPUs and those found, in PCI bus order."""
+    if len(declared) != len(found):
+        names = ", ".join(gpu["name"] for gpu in found) or "none"
+        return [f"`gpus` declares {len(declared)} GPUs but {where} shows {len(found)}: {names}"]
+    problems = []
+    by_bus = sorted(declared, key=lambda gpu: render.pci_sort_key(gpu.get("pci_bus_id", "")))
+    if not all(gpu.get("pci_bus_id") for gpu in declared):
+        by_bus = declared
+    found_by_bus = sorted(found, key=lambda gpu: render.pci_sort_key(gpu.get("bus_id", "")))
+    for want, have in zip(by_bus, found_by_bus, strict=True):
+        label = have.get("bus_id") or want["name"]
+        if _name_words(want["name"]) != _name_words(have["name"]):
+            problems.append(f"GPU at {label} is {have['name']!r}, declared {want['name']!r}")
+        if want["compute_capability"] != have["compute_capability"]:
+            problems.append(
+                f"GPU at {label} has compute capability {have['compute_capability']}, "
+                f"declared {want['compute_capability']}"
+            )
+        if abs(want["vram_mib"] - have["vram_mib"]) > VRAM_TOLERANCE * have["vram_mib"]:
+            problems.append(
+                f"GPU at {label} has {have['vram_mib']} MiB, declared {want['vram_mib']} MiB"
+            )
+        if want.get("pci_bus_id") and have.get("bus_id"):
+            if render.pci_sort_key(want["pci_bus_id"]) != render.pci_sort_key(have["bus_id"]):
+                problems.append(f"declared bus id {want['pci_bus_id']} is not present")
+    return problems
+
+
+def fetch_header(url: str) -> GgufHeader:
+    """Read a model's GGUF header over HTTP with range requests, growing the read as needed."""
+    size = HEADER_FIRST_READ
+    while True:
+        request = urllib.request.Request(url, headers={"Range": f"bytes=0-{size - 1}"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            data = response.read(size)
+        try:
+            return read_gguf_header(data, name=url)
+        except GgufError as error:
+            if "truncated" not in str(error) or len(data) < size or size >= HEADER_MAX_READ:
+                raise
+            size *= 4
+
+
+def load_header(data: dict, model_path: str | None = None) -> tuple[GgufHeader | None, str]:
+    """The model header for planning: a local file, else the configured URL; with a reason
+    when it cannot be had."""
+    if model_path:
+        with open(model_path, "rb") as model:
+            return read_gguf_header(model, name=model_path), model_path
+    url = data["model"]["url"]
+    if not url:
+        return None, "the model is a file on the host (pass --probe or --model PATH)"
+    try:
+        return fetch_header(url), url
+    except (urllib.error.URLError, OSError, GgufError) as error:
+        return None, f"cannot read the GGUF header from {url}: {error}"
+
+
+def _mtp_draft(server: dict) -> int:
+    if "draft-mtp" not in server["spec"]["type"]:
+        return 0
+    return server["spec"]["draft_max"] or DEFAULT_DRAFT_MAX
+
+
+def plan_host(
+    name: str,
+    data: dict,
+    header: GgufHeader | None,
+    header_note: str = "",
+    probed_gpus: list[dict] | None = None,
+    gpu_source: str = "probed",
+    driver_version: str | None = None,
+) -> HostPlan:
+    """Plan one host. ``probed_gpus`` (nvidia-smi or PCI records) win over the declaration,
+    which is then checked against them."""
+    resolved = copy.deepcopy(data)
+    server = resolved["server"]
+    declared = data["gpus"]
+    errors: list[str] = []
+    warnings: list[str] = []
+    gpu = data["llama_cpp"]["backend"] == "cuda"
+    server["extra_args"], renamed = render.translate_renamed(server["extra_args"])
+    warnings += renamed
+
+    gpus = [
+        {
+            "name": d["name"],
+            "vram_mib": d["vram_mib"],
+            "compute_capability": d["compute_capability"],
+            "bus_id": d.get("pci_bus_id"),
+        }
+        for d in declared
+    ]
+    source = "declared" if declared else "none"
+    if probed_gpus:
+        if declared:
+            errors += compare_gpus(declared, probed_gpus, gpu_source)
+        else:
+            gpus, source = probed_gpus, gpu_source
+            resolved["gpus"] = [
+                {
+                    "name": g["name"],
+                    "vram_mib": g["vram_mib"],
+                    "compute_capability": g["compute_capability"],
+                    **({"pci_bus_id": g["bus_id"]} if g.get("bus_id") else {}),
+                }
+                for g in probed_gpus
+            ]
+
+    architectures = None
+    if gpu:
+        if resolved["gpus"] or data["llama_cpp"]["cuda_architectures"] != "auto":
+            architectures = render.cuda_arch_list(resolved)
+        cuda = data["cuda"]
+        errors += check_versions(
+            [g["compute_capability"] for g in gpus],
+            cuda_version=cuda["version"] if cuda["source"] != "none" else None,
+            driver_version=driver_version,
+            open_modules=data["driver"]["open"],
+            driver_source=data["driver"]["source"],
+            cuda_source=cuda["source"],
+        )
+
+    plan = HostPlan(name, resolved, gpus, source, architectures, None, errors, warnings)
+    wants_auto = "auto" in (server["ctx"], server["tensor_split"])
+    if not gpu:
+        if wants_auto:
+            errors.append("ctx/tensor_split `auto` plan GPU memory; a cpu rig needs numbers")
+        plan.notes.append("cpu build: no GPU memory to plan")
+        return plan
+    if not gpus or header is None:
+        missing = "the GPUs (declare `gpus` or pass --probe)" if not gpus else header_note
+        (errors if wants_auto else warnings).append(f"memory not planned: {missing}")
+        return plan
+
+    limits = data["planner"]
+    devices = [
+        Device(
+            g["name"],
+            min(g["vram_mib"], (declared[i].get("usable_mib") if declared else None) or 1 << 30),
+            limits["reserve_mib"],
+        )
+        for i, g in enumerate(gpus)
+    ]
+    split_mode = server["split_mode"]
+    if split_mode == "none" and len(devices) > 1:
+        devices = devices[:1]
+    try:
+        memory = plan_memory(
+            header,
+            devices,
+            split_mode=split_mode,
+            tensor_split=server["tensor_split"] if server["tensor_split"] is not None else "auto",
+            ctx=server["ctx"],
+            n_parallel=server["parallel"],
+            kv_unified=server["kv_unified"],
+            type_k=server["cache_type_k"],
+            type_v=server["cache_type_v"],
+            n_ubatch=server["ubatch"],
+            margin_mib=limits["margin_mib"],
+            mtp_draft_n_max=_mtp_draft(server),
+        )
+    except ValueError as error:
+        errors.append(str(error))
+        return plan
+    plan.memory = memory
+    server["ctx"] = memory.ctx
+    if split_mode != "none" and server["tensor_split"] in ("auto", None):
+        if server["tensor_split"] == "auto" or split_mode == "tensor":
+            # Tensor mode without -ts splits evenly, which over-fills the smaller card.
+            server["tensor_split"] = [round(share, 3) for share in memory.ratio]
+    if not memory.fits:
+        errors.append(
+            "the configuration does not fit in GPU memory (need = planned + margin):\n"
+            + memory.table()
+            + "".join(f"\n  would fit: {s}" for s in memory.suggestions)
+        )
+    if _mtp_draft(server) and header.nextn_predict_layers == 0:
+        errors.append(
+            "spec.type has draft-mtp but the model has no MTP layers "
+            f"({header.architecture}.nextn_predict_layers is 0): llama-server exits at load"
+        )
+    if split_mode == "tensor":
+        plan.notes.extend(TENSOR_MODE_LIMITS)
+    return plan
