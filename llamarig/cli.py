@@ -101,6 +101,21 @@ def _complete(args: argparse.Namespace) -> int:
     return status
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from llamarig.verify import verify_host
+
+    inventory = load_inventory()
+    if args.host and args.host not in inventory.hosts:
+        print(f"llamarig: no host {args.host!r} in {inventory.path}", file=sys.stderr)
+        return 2
+    statuses = [
+        verify_host(host_config, args.pytest_args)
+        for name, host_config in inventory.hosts.items()
+        if not args.host or name == args.host
+    ]
+    return max(statuses, default=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -126,6 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     complete_parser.add_argument("--prompt", default="The llama is an animal that")
     complete_parser.add_argument("--tokens", type=int, default=16)
 
+    verify_parser = commands.add_parser(
+        "verify",
+        help="check each host against its rig data with the testinfra suite in tests/rig "
+        "(over ssh:// with strict host keys); exit non-zero when a check fails",
+    )
+    verify_parser.add_argument("--host", help="only this host")
+    verify_parser.add_argument(
+        "pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k service"
+    )
+
     commands.add_parser(
         "sandbox",
         help="the local sandbox rig: sandbox up|down|status (see `llamarig sandbox -h`)",
@@ -139,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         return sandbox.main(argv[1:])
     args = parser.parse_args(argv)
     try:
-        return {"plan": _plan, "complete": _complete}[args.command](args)
+        return {"plan": _plan, "complete": _complete, "verify": _verify}[args.command](args)
     except ConfigError as error:
         print("llamarig: the rig configuration is not valid:", file=sys.stderr)
         for problem in error.problems:

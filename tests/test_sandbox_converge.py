@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.request
@@ -180,3 +181,106 @@ def test_commit_change_rebuilds_and_switches(sandbox_info, tmp_path, second_comm
         == (render.layout(pinned)["build"])
     )
     assert complete()["tokens_predicted"] == 8
+
+
+def test_unknown_flag_is_refused_before_the_unit_changes(sandbox_info, tmp_path):
+    unit_before = in_sandbox(sandbox_info, f"sha256sum /etc/systemd/system/{SERVICE}.service")
+    pid_before = main_pid(sandbox_info)
+    inventory = variant(tmp_path, server={"extra_args": ["--no-such-flag", "1"]})
+    result = subprocess.run(
+        [sys.executable, "-m", "pyinfra", "-y", "inventory.py", "deploy.py"],
+        cwd=PROJECT,
+        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode != 0
+    assert "does not know: --no-such-flag" in result.stdout + result.stderr
+    assert in_sandbox(sandbox_info, f"sha256sum /etc/systemd/system/{SERVICE}.service") == (
+        unit_before
+    )
+    assert main_pid(sandbox_info) == pid_before
+    assert complete()["tokens_predicted"] == 8
+
+
+def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
+    """The planner's weights and KV bytes against llama-server's own load log (CPU build)."""
+    from llamarig.gguf_header import read_gguf_header_file
+    from llamarig.memory import kv_cache_bytes
+
+    data = load_inventory(INVENTORY).hosts["sandbox"].data
+    server = data["server"]
+    header = read_gguf_header_file(CACHE_DIR / "www" / "tiny-llama.gguf")
+    log = in_sandbox(sandbox_info, f"journalctl -u {SERVICE} -o cat --no-pager")
+    loads = [line for line in log.splitlines() if "model buffer size" in line]
+    kv_lines = [line for line in log.splitlines() if "llama_kv_cache: size =" in line]
+    assert loads and kv_lines, "llama-server did not log its buffer sizes"
+    logged_weights = float(re.search(r"= *([0-9.]+) MiB", loads[-1]).group(1))
+    logged_kv = float(re.search(r"size = *([0-9.]+) MiB", kv_lines[-1]).group(1))
+    planned_weights = header.total_tensor_bytes / 2**20
+    planned_kv = (
+        kv_cache_bytes(
+            header,
+            server["ctx"],
+            server["parallel"],
+            server["kv_unified"],
+            server["cache_type_k"],
+            server["cache_type_v"],
+        )
+        / 2**20
+    )
+    print(f"weights: planned {planned_weights:.2f} MiB, llama-server {logged_weights:.2f} MiB")
+    print(f"KV cache: planned {planned_kv:.2f} MiB, llama-server {logged_kv:.2f} MiB")
+    assert abs(planned_weights - logged_weights) <= 0.05 * logged_weights
+    assert abs(planned_kv - logged_kv) <= 0.05 * logged_kv
+
+
+def verify(inventory: Path = INVENTORY) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llamarig.cli", "verify"],
+        cwd=PROJECT,
+        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_verify_passes_on_the_converged_sandbox(sandbox_info):
+    result = verify()
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
+    # GPU checks are skipped on this GPU-less rig, each with its reason, never passed.
+    assert "SKIPPED" in result.stdout and "driver.source is none" in result.stdout
+
+
+def test_verify_names_a_stopped_service(sandbox_info):
+    in_sandbox(sandbox_info, f"systemctl stop {SERVICE}")
+    try:
+        result = verify()
+        assert result.returncode != 0
+        assert "test_service_active_enabled_and_restarting" in result.stdout
+        assert f"{SERVICE} is not running" in result.stdout
+        assert "test_service_hardening" not in result.stdout.split("short test summary")[-1]
+    finally:
+        in_sandbox(sandbox_info, f"systemctl start {SERVICE}")
+
+
+def test_verify_names_an_exposed_port_and_the_deploy_repairs_it(sandbox_info):
+    unit = f"/etc/systemd/system/{SERVICE}.service"
+    in_sandbox(
+        sandbox_info,
+        f"sed -i 's/--host 127.0.0.1/--host 0.0.0.0/' {unit} && systemctl daemon-reload && "
+        f"systemctl restart {SERVICE} && sleep 2",
+    )
+    result = verify()
+    assert result.returncode != 0
+    assert "llama-server listens on ['0.0.0.0:8080'], configured only 127.0.0.1:8080" in (
+        result.stdout
+    )
+    results = converge()
+    assert "Restart llama-server.service (unit, environment, build or model changed)" in (
+        changed_operations(results)
+    )
+    assert verify().returncode == 0

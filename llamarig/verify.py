@@ -1,0 +1,74 @@
+"""`llamarig verify`: run the testinfra suite in tests/rig against each host of RIG_INVENTORY,
+over ssh:// with strict host-key checking, with expectations from the host's rig data."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from llamarig import PROJECT_DIR, render
+from llamarig.config import HostConfig
+from llamarig.plan import plan_host
+
+SUITE = PROJECT_DIR / "tests" / "rig"
+
+
+def ssh_config(name: str, ssh: dict) -> str:
+    """An ssh_config block for testinfra's ssh backend (never paramiko://, which does not
+    check host keys)."""
+    lines = [
+        f"Host {name}",
+        f"  HostName {ssh['host']}",
+        f"  Port {ssh.get('port', 22)}",
+        "  StrictHostKeyChecking yes",
+        "  BatchMode yes",
+    ]
+    if "user" in ssh:
+        lines.append(f"  User {ssh['user']}")
+    if "key" in ssh:
+        lines += [f"  IdentityFile {os.path.expanduser(ssh['key'])}", "  IdentitiesOnly yes"]
+    if "known_hosts" in ssh:
+        lines.append(f"  UserKnownHostsFile {os.path.expanduser(ssh['known_hosts'])}")
+    return "\n".join(lines) + "\n"
+
+
+def expectations(host_config: HostConfig) -> dict:
+    """What the suite checks the host against: the planned data and values derived from it."""
+    plan = plan_host(host_config.name, host_config.data, None)
+    data = plan.resolved
+    return {
+        "name": host_config.name,
+        "data": data,
+        "derived": {
+            "base_url": render.base_url(data),
+            "nvcc": render.nvcc_path(data),
+            "cmake_options": render.cmake_options(data),
+            "api_key": False,
+        },
+    }
+
+
+def verify_host(host_config: HostConfig, pytest_args: list[str]) -> int:
+    """Run the suite against one host; returns pytest's exit status."""
+    ssh = host_config.data.get("ssh") or {}
+    with tempfile.TemporaryDirectory(prefix="llamarig-verify-") as scratch:
+        data_file = Path(scratch) / "rig.json"
+        data_file.write_text(json.dumps(expectations(host_config)))
+        if ssh.get("local"):
+            target = ["--hosts=local://"]
+        else:
+            config = Path(scratch) / "ssh_config"
+            alias = f"llamarig-{host_config.name}"
+            config.write_text(ssh_config(alias, ssh))
+            target = [f"--hosts=ssh://{alias}", f"--ssh-config={config}"]
+        command = [
+            sys.executable, "-m", "pytest", str(SUITE), *target,
+            "-p", "no:cacheprovider", "-rs", "--tb=line", "-q", *pytest_args,
+        ]  # fmt: skip
+        print(f"== verify {host_config.name}", flush=True)
+        env = {**os.environ, "LLAMARIG_VERIFY_DATA": str(data_file)}
+        return subprocess.run(command, cwd=PROJECT_DIR, env=env).returncode

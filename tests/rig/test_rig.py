@@ -1,0 +1,288 @@
+"""The rig checklist of the seed articles, as tests. Each failure says what to do; checks that
+need a GPU skip with the reason on a host without one."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from llamarig.hardware import check_versions, cuda_architecture
+from llamarig.platform import SUPPORTED, os_key
+
+BLACKLISTED = ("nouveau", "nova_core", "nova")
+BLACKLIST_FILE = "/etc/modprobe.d/llamarig-blacklist-nouveau-nova.conf"
+HARDENING = {
+    "ProtectSystem": "strict",
+    "ProtectHome": "yes",
+    "PrivateTmp": "yes",
+    "NoNewPrivileges": "yes",
+    "DynamicUser": "yes",
+    "RestrictAddressFamilies": "AF_INET AF_INET6 AF_UNIX",
+    "DevicePolicy": "closed",
+}
+
+
+# --- system -------------------------------------------------------------------------------
+
+
+def test_os_is_supported(host):
+    release = dict(
+        line.split("=", 1)
+        for line in host.file("/etc/os-release").content_string.splitlines()
+        if "=" in line
+    )
+    release = {key: value.strip('"') for key, value in release.items()}
+    key = os_key({"release_meta": release})
+    print(f"{release.get('PRETTY_NAME')}, kernel {host.run('uname -r').stdout.strip()}")
+    assert key in SUPPORTED, f"{release.get('PRETTY_NAME')} is not a supported OS"
+
+
+def test_boot_mode_and_secure_boot_reported(host, data):
+    uefi = host.file("/sys/firmware/efi").is_directory
+    state = host.run("mokutil --sb-state 2>/dev/null").stdout.strip() or "unknown (no mokutil)"
+    print(f"boot: {'UEFI' if uefi else 'BIOS/none'}; secure boot: {state}")
+    if data["expect"]["uefi"] is None:
+        pytest.skip(f"expect.uefi not set; booted {'UEFI' if uefi else 'without UEFI'}")
+    wanted = "UEFI" if data["expect"]["uefi"] else "legacy BIOS"
+    assert uefi == data["expect"]["uefi"], (
+        f"booted {'UEFI' if uefi else 'legacy BIOS'}, not {wanted}"
+    )
+
+
+# --- nouveau and nova ----------------------------------------------------------------------
+
+
+def test_nouveau_and_nova_not_loaded(host, nvidia_rig):
+    loaded = {line.split()[0] for line in host.file("/proc/modules").content_string.splitlines()}
+    bound = sorted(loaded & set(BLACKLISTED))
+    assert not bound, f"{', '.join(bound)} loaded: reboot after the blacklist (llamarig deploy)"
+
+
+def test_nouveau_and_nova_blacklisted(host, nvidia_rig):
+    config = host.run("modprobe --showconfig").stdout
+    missing = [name for name in BLACKLISTED if f"blacklist {name}" not in config]
+    assert not missing, (
+        f"not blacklisted in the modprobe configuration: {missing}; {BLACKLIST_FILE}"
+    )
+
+
+def test_blacklist_in_the_initramfs(host, nvidia_rig):
+    kernel = host.run("uname -r").stdout.strip()
+    initrd = f"/boot/initrd.img-{kernel}"
+    if not host.file(initrd).exists:
+        pytest.skip(f"no initramfs {initrd} (container or direct kernel boot)")
+    listing = host.run(f"lsinitramfs {initrd}").stdout
+    assert BLACKLIST_FILE.lstrip("/") in listing, (
+        f"{BLACKLIST_FILE} is not in {initrd}: run update-initramfs -u and reboot"
+    )
+
+
+# --- driver and GPUs -----------------------------------------------------------------------
+
+
+def test_nvidia_driver_loaded_and_recent_enough(host, nvidia_rig, gpus):
+    version = host.file("/sys/module/nvidia/version").content_string.strip()
+    problems = check_versions(
+        [gpu["compute_cap"] for gpu in gpus],
+        cuda_version=nvidia_rig["cuda"]["version"]
+        if nvidia_rig["cuda"]["source"] != "none"
+        else None,
+        driver_version=version,
+        open_modules=nvidia_rig["driver"]["open"],
+        driver_source=nvidia_rig["driver"]["source"],
+        cuda_source=nvidia_rig["cuda"]["source"],
+    )
+    assert not problems, "; ".join(problems)
+    license_line = host.run("modinfo -F license nvidia").stdout.strip()
+    if nvidia_rig["driver"]["open"]:
+        assert license_line == "Dual MIT/GPL", (
+            f"nvidia module license {license_line!r}: not the open modules"
+        )
+    loaded = host.file("/proc/modules").content_string
+    assert re.search(r"^nvidia_uvm ", loaded, re.M), "nvidia_uvm not loaded: modprobe nvidia_uvm"
+
+
+def test_gpus_match_the_declaration(nvidia_rig, gpus):
+    declared = nvidia_rig["gpus"]
+    if not declared:
+        pytest.skip("no `gpus` declared to compare with")
+    from llamarig.plan import compare_gpus
+
+    found = [
+        {
+            "name": gpu["name"],
+            "vram_mib": int(gpu["memory.total"]),
+            "compute_capability": gpu["compute_cap"],
+            "bus_id": gpu["pci.bus_id"],
+        }
+        for gpu in gpus
+    ]
+    problems = compare_gpus(declared, found, "nvidia-smi")
+    assert not problems, "; ".join(problems)
+
+
+def test_pcie_links(nvidia_rig, gpus):
+    expect = nvidia_rig["expect"]
+    downgraded = []
+    for gpu in gpus:
+        print(
+            f"GPU {gpu['index']} {gpu['name']}: PCIe gen {gpu['pcie.link.gen.current']}/"
+            f"{gpu['pcie.link.gen.max']} x{gpu['pcie.link.width.current']}/"
+            f"{gpu['pcie.link.width.max']} (current/max; idle links downclock)"
+        )
+        if expect["pcie_gen"] and int(gpu["pcie.link.gen.max"]) < expect["pcie_gen"]:
+            downgraded.append(
+                f"GPU {gpu['index']} gen {gpu['pcie.link.gen.max']} < {expect['pcie_gen']}"
+            )
+        if expect["pcie_width"] and int(gpu["pcie.link.width.max"]) < expect["pcie_width"]:
+            downgraded.append(
+                f"GPU {gpu['index']} x{gpu['pcie.link.width.max']} < x{expect['pcie_width']}"
+            )
+    assert not downgraded, (
+        "downgraded PCIe links: " + "; ".join(downgraded) + " (check BIOS link mode and slots)"
+    )
+
+
+def test_bar1_and_p2p_reported(host, gpus):
+    bar1 = host.run("nvidia-smi -q -d MEMORY | grep -A2 'BAR1'").stdout
+    print(bar1 or "BAR1 size not reported")
+    print(host.run("nvidia-smi topo -p2p r").stdout)
+    assert bar1, "nvidia-smi does not report BAR1 memory"
+
+
+# --- toolkit and build ---------------------------------------------------------------------
+
+
+def test_nvcc_can_build_every_gpu(host, derived, gpus):
+    nvcc = derived["nvcc"]
+    if not nvcc:
+        pytest.skip("cpu build: no toolkit")
+    assert host.file(nvcc).exists, f"{nvcc} missing: run the deploy's cuda stage"
+    out = host.run(f"{nvcc} --version").stdout
+    version = re.search(r"release ([0-9]+\.[0-9]+)", out).group(1)
+    problems = check_versions(
+        [gpu["compute_cap"] for gpu in gpus], version, None, True, "nvidia-repo", "nvidia-repo"
+    )
+    assert not [p for p in problems if "cannot build" in p or "dropped" in p], problems
+
+
+def test_build_is_the_pinned_commit_with_the_configured_options(host, data, derived):
+    manifest_path = f"{data['paths']['prefix']}/current/.llamarig-build.json"
+    manifest_file = host.file(manifest_path)
+    assert manifest_file.exists, f"{manifest_path} missing: the build did not finish"
+    manifest = json.loads(manifest_file.content_string)
+    assert manifest["commit"] == data["llama_cpp"]["commit"], (
+        f"running build is {manifest['commit'][:12]}, configured {data['llama_cpp']['commit'][:12]}"
+    )
+    assert manifest["cmake_options"] == derived["cmake_options"], (
+        "build options differ from the rig data"
+    )
+
+
+def test_binary_has_device_code_for_every_gpu(host, data, derived, gpus):
+    library = host.run(
+        f"find -L {data['paths']['prefix']}/current/bin -name 'libggml-cuda.so*' | head -1"
+    )
+    path = library.stdout.strip()
+    assert path, "libggml-cuda.so not in the build: not a CUDA build"
+    elf = host.run(f"{derived['nvcc'].rsplit('/', 1)[0]}/cuobjdump --list-elf {path}").stdout
+    for gpu in gpus:
+        arch = cuda_architecture(gpu["compute_cap"]).removesuffix("-real")
+        assert f"sm_{arch}" in elf, f"no sm_{arch} code for {gpu['name']} in {path}"
+
+
+# --- service and API -----------------------------------------------------------------------
+
+
+def test_service_active_enabled_and_restarting(host, data):
+    service = host.service(data["server"]["service"])
+    assert service.is_running, (
+        f"{data['server']['service']} is not running: systemctl status {data['server']['service']}"
+    )
+    assert service.is_enabled, (
+        f"{data['server']['service']} is not enabled: it will not start at boot"
+    )
+    restart = host.run(f"systemctl show -P Restart {data['server']['service']}").stdout.strip()
+    assert restart == "on-failure", f"Restart={restart}, expected on-failure"
+
+
+def test_service_hardening(host, data):
+    service = data["server"]["service"]
+    values = {
+        key: host.run(f"systemctl show -P {key} {service}").stdout.strip() for key in HARDENING
+    }
+    wrong = {key: value for key, value in values.items() if value != HARDENING[key]}
+    assert not wrong, f"hardening settings differ: {wrong} (expected {HARDENING})"
+
+
+def test_listens_only_where_configured(host, data, derived):
+    server = data["server"]
+    listening = host.run("ss -Hltnp").stdout.splitlines()
+    mine = [line.split()[3] for line in listening if '"llama-server"' in line]
+    expected = f"{server['host']}:{server['port']}"
+    assert mine == [expected], f"llama-server listens on {mine}, configured only {expected}"
+    if server["host"] not in ("127.0.0.1", "::1", "localhost"):
+        assert derived["api_key"], (
+            f"llama-server listens on {server['host']} (not loopback) without an API key: "
+            "anyone on the network can use it; set an API key or listen on 127.0.0.1"
+        )
+
+
+def test_api_health_completion_metrics(api, data):
+    code, body = api("/health")
+    assert code == 200 and json.loads(body).get("status") == "ok", f"/health: {code} {body[:200]}"
+    code, body = api("/completion", {"prompt": "Hello", "n_predict": 4, "temperature": 0})
+    assert code == 200, f"/completion: {code} {body[:300]}"
+    assert json.loads(body)["tokens_predicted"] > 0
+    if data["server"]["metrics"]:
+        code, body = api("/metrics")
+        assert code == 200 and "llamacpp:" in body, f"/metrics: {code}"
+
+
+def test_server_runs_on_the_gpus(data, gpus, server_log):
+    """/health is 200 even after a silent fall back to the CPU: read the server's own report."""
+    if not server_log:
+        pytest.fail("no journal since the last start: cannot see where the model was loaded")
+    used = set(re.findall(r"\bCUDA(\d+)\b model buffer size", server_log))
+    assert used, (
+        "no CUDA model buffer in the log: llama-server fell back to the CPU "
+        "(driver older than the CUDA runtime? nvidia_uvm not ready when the unit started?)"
+    )
+    missing = [str(i) for i in range(len(gpus)) if str(i) not in used]
+    if data["server"]["split_mode"] != "none":
+        assert not missing, f"GPUs CUDA{', CUDA'.join(missing)} hold no model buffer"
+
+
+def test_memory_follows_the_split(host, data, gpus):
+    split = data["server"]["tensor_split"]
+    if not split or len(gpus) < 2:
+        pytest.skip("no tensor split to compare with")
+    used = [
+        int(v)
+        for v in host.run(
+            "nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits"
+        ).stdout.split()
+    ]
+    share = [u / sum(used) for u in used]
+    wanted = [s / sum(split) for s in split]
+    tolerance = data["expect"]["split_tolerance"]
+    print(f"memory used {used} MiB, share {share}, configured {wanted}")
+    assert all(abs(a - b) <= tolerance for a, b in zip(share, wanted, strict=False)), (
+        f"memory split {share} differs from -ts {wanted} by more than {tolerance:.0%}"
+    )
+
+
+def test_decode_speed_floor(api, data):
+    floor = data["expect"]["min_tokens_per_second"]
+    if floor is None:
+        pytest.skip("expect.min_tokens_per_second not set: speed not checked")
+    code, body = api(
+        "/completion",
+        {"prompt": "Write a story about a llama.", "n_predict": 128, "temperature": 0},
+    )
+    assert code == 200, f"/completion: {code}"
+    speed = json.loads(body)["timings"]["predicted_per_second"]
+    print(f"decode: {speed:.1f} tokens/s (floor {floor})")
+    assert speed >= floor, f"decode {speed:.1f} tokens/s is below the floor {floor}"
