@@ -275,3 +275,16 @@ if [ -n "$unknown" ]; then
   exit 1
 fi
 """.strip()
+
+
+@operation(is_idempotent=False)
+def restart_service(service: str):
+    """
+    Restart a systemd service on purpose: its start rate limit (meant for crash loops) is
+    reset first, so a run of deliberate deploys is never refused with "start request repeated
+    too quickly". Guard it with ``_if=``: it always restarts.
+
+    + service: unit name, e.g. ``llama-server.service``
+    """
+    quoted = shlex.quote(service)
+    yield f"systemctl reset-failed {quoted} 2>/dev/null || true; systemctl restart {quoted}"

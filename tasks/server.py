@@ -34,10 +34,9 @@ started = systemd.service(
     enabled=True,
 )
 inputs = [unit, env_file, *stage.recorded("server")]
-restarted = systemd.service(
+restarted = operations.restart_service(
     name=f"Restart {service} (unit, environment, build or model changed)",
     service=service,
-    restarted=True,
     _if=lambda: any_changed(*inputs)() and not started.did_change(),
 )
 stage.record("serving", *inputs, started)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import urllib.request
@@ -205,19 +206,27 @@ def test_unknown_flag_is_refused_before_the_unit_changes(sandbox_info, tmp_path)
 
 
 def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
-    """The planner's weights and KV bytes against llama-server's own load log (CPU build)."""
+    """The planner's weights and KV bytes against the sizes the deployed llama-server logs at
+    load (`-lv 4`, the CPU build), started by hand with the unit's arguments on another port."""
     from llamarig.gguf_header import read_gguf_header_file
     from llamarig.memory import kv_cache_bytes
 
     data = load_inventory(INVENTORY).hosts["sandbox"].data
     server = data["server"]
-    header = read_gguf_header_file(CACHE_DIR / "www" / "tiny-llama.gguf")
-    log = in_sandbox(sandbox_info, f"journalctl -u {SERVICE} -o cat --no-pager")
+    args = render.server_args(data)
+    args[args.index("--port") + 1] = "8099"
+    log = in_sandbox(
+        sandbox_info,
+        f"{shlex.join(args)} -lv 4 > /tmp/lv4.log 2>&1 & pid=$!; "
+        "for i in $(seq 120); do curl -sf http://127.0.0.1:8099/health >/dev/null && break; "
+        "sleep 0.5; done; kill $pid; wait $pid; cat /tmp/lv4.log",
+    )
     loads = [line for line in log.splitlines() if "model buffer size" in line]
     kv_lines = [line for line in log.splitlines() if "llama_kv_cache: size =" in line]
-    assert loads and kv_lines, "llama-server did not log its buffer sizes"
+    assert loads and kv_lines, f"llama-server did not log its buffer sizes:\n{log[-2000:]}"
     logged_weights = float(re.search(r"= *([0-9.]+) MiB", loads[-1]).group(1))
     logged_kv = float(re.search(r"size = *([0-9.]+) MiB", kv_lines[-1]).group(1))
+    header = read_gguf_header_file(CACHE_DIR / "www" / "tiny-llama.gguf")
     planned_weights = header.total_tensor_bytes / 2**20
     planned_kv = (
         kv_cache_bytes(

@@ -40,7 +40,8 @@ def nvidia_rig(data) -> dict:
     return data
 
 
-@pytest.fixture(scope="session")
+# testinfra's `host` is module-scoped, so fixtures that use it are too.
+@pytest.fixture(scope="module")
 def gpus(host, nvidia_rig) -> list[dict]:
     """The GPUs as nvidia-smi reports them; skipped (with the reason) on a host without one."""
     if not host.exists("nvidia-smi"):
@@ -58,18 +59,7 @@ def gpus(host, nvidia_rig) -> list[dict]:
     ]
 
 
-@pytest.fixture(scope="session")
-def server_log(host, data) -> str:
-    """The journal of the service since its last start."""
-    service = data["server"]["service"]
-    since = host.run(f"systemctl show -P ActiveEnterTimestamp {service}").stdout.strip()
-    command = f"journalctl -u {service} -o cat --no-pager"
-    if since:
-        command += f" --since '{since}'"
-    return host.run(command).stdout
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def api(host, derived):
     """Call the server's API from the host itself (it may listen on loopback only)."""
     base = derived["base_url"]
