@@ -51,6 +51,8 @@ class HostPlan:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # The GPUs llama-server is given (--device), in the order of the memory plan's devices.
+    used_gpus: list[dict] = field(default_factory=list)
 
     @property
     def fits(self) -> bool:
@@ -67,7 +69,7 @@ class HostPlan:
     def to_json(self) -> dict[str, Any]:
         server = self.resolved["server"]
         devices = []
-        for index, gpu in enumerate(self.gpus):
+        for index, gpu in enumerate(self.used_gpus or self.gpus):
             row = {"index": index, "name": gpu["name"], "vram_total_mib": gpu["vram_mib"]}
             if self.memory:
                 device = self.memory.devices[index]
@@ -290,6 +292,7 @@ def plan_host(
         return plan
 
     limits = data["planner"]
+    used = list(gpus)
     devices = [
         Device(
             g["name"],
@@ -299,14 +302,22 @@ def plan_host(
         for i, g in enumerate(gpus)
     ]
     split_mode = server["split_mode"]
+    requested = server["tensor_split"] if server["tensor_split"] is not None else "auto"
+    if isinstance(requested, list) and 0 in requested:
+        left_out = [g["name"] for g, share in zip(gpus, requested, strict=True) if not share]
+        plan.notes.append(f"left out of --device (zero share): {', '.join(left_out)}")
+        devices = [d for d, share in zip(devices, requested, strict=True) if share]
+        used = [g for g, share in zip(used, requested, strict=True) if share]
+        requested = [share for share in requested if share]
     if split_mode == "none" and len(devices) > 1:
-        devices = devices[:1]
+        devices, used = devices[:1], used[:1]
+    plan.used_gpus = used
     try:
         memory = plan_memory(
             header,
             devices,
             split_mode=split_mode,
-            tensor_split=server["tensor_split"] if server["tensor_split"] is not None else "auto",
+            tensor_split=requested,
             ctx=server["ctx"],
             n_parallel=server["parallel"],
             kv_unified=server["kv_unified"],

@@ -152,10 +152,17 @@ def server_args(data: dict) -> list[str]:
     ]
     if gpu:
         args += ["-ngl", str(server["gpu_layers"]), "-sm", server["split_mode"]]
-        if data["gpus"]:
-            args += ["-dev", ",".join(cuda_device_names(data["gpus"]))]
-        if server["tensor_split"] is not None:
-            args += ["-ts", ",".join(_number(share) for share in server["tensor_split"])]
+        devices = cuda_device_names(data["gpus"]) if data["gpus"] else []
+        shares = server["tensor_split"]
+        if isinstance(shares, list) and devices and 0 in shares:
+            # A card left in with a zero share still holds memory (about 2.8 GB in tensor
+            # mode): leave it out of --device instead.
+            devices = [name for name, share in zip(devices, shares, strict=True) if share]
+            shares = [share for share in shares if share]
+        if devices:
+            args += ["-dev", ",".join(devices)]
+        if shares is not None:
+            args += ["-ts", ",".join(_number(share) for share in shares)]
     flash_attn = "on" if server["split_mode"] == "tensor" else server["flash_attn"]
     args += ["-fa", flash_attn]
     if server["split_mode"] == "tensor":

@@ -229,3 +229,13 @@ def test_plan_command_json_and_exit_status(tmp_path, qwen_header):
     )
     assert result.returncode == 1
     assert "REFUSED" in result.stdout and "deficit" in result.stdout
+
+
+def test_zero_share_gpu_is_planned_out(seed, llama_8b_header):
+    seed["gpus"] = [RTX_3090, RTX_5080]
+    seed["server"].update(tensor_split=[1, 0], ctx=32768, spec={"type": [], "draft_max": None})
+    plan = plan_host("rig1", seed, llama_8b_header)
+    assert plan.fits, plan.report()
+    document = plan.to_json()
+    assert [d["name"] for d in document["devices"]] == [RTX_3090["name"]]
+    assert any("zero share" in note for note in plan.notes)

@@ -136,3 +136,10 @@ def test_env_file_quotes_values(sandbox_rig):
     text = render.render_env_file(rig)
     assert 'GREETING="say \\"hi\\""' in text
     assert 'LLAMA_CACHE="/var/cache/llama-server"' in text
+
+
+def test_zero_share_gpu_is_left_out_of_the_devices(seed_rig):
+    rig = copy.deepcopy(seed_rig)
+    rig["server"]["tensor_split"] = [0, 1]
+    args = render.server_args(rig)
+    assert (flag_value(args, "-dev"), flag_value(args, "-ts")) == ("CUDA0", "1")
