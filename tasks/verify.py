@@ -27,7 +27,8 @@ else:
     if problems:
         operations.fail(name="Verify the rig", message="; ".join(problems))
     else:
+        speed = probe["tokens_per_second"]
         host.noop(
             f"{service} active, /health 200, completion at "
-            f"{probe['tokens_per_second']:.1f} tokens/s"
+            + (f"{speed:.1f} tokens/s" if speed is not None else "an unreported speed")
         )

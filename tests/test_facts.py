@@ -1,0 +1,52 @@
+"""Parsers of llamarig's pyinfra facts, fed with the output of real commands."""
+
+import base64
+
+from llamarig.facts import FileHead, FirmwareBoot, NvidiaPciDevices, NvidiaSmiGpus, ServerProbe
+
+
+def test_nvidia_smi_gpus():
+    output = [
+        "0, 00000000:01:00.0, NVIDIA GeForce RTX 3090, 24576, 8.6, 4, 8, 580.95.05",
+        "1, 00000000:07:00.0, NVIDIA GeForce RTX 5080, 16303, 12.0, 4, 8, 580.95.05",
+    ]
+    gpus = NvidiaSmiGpus().process(output)
+    assert gpus[1] == {
+        "index": 1,
+        "bus_id": "00000000:07:00.0",
+        "name": "NVIDIA GeForce RTX 5080",
+        "vram_mib": 16303,
+        "compute_capability": "12.0",
+        "pcie_gen": "4",
+        "pcie_width": "8",
+        "driver_version": "580.95.05",
+    }
+    assert NvidiaSmiGpus().process(["NVIDIA-SMI has failed", "FAILED"]) is None
+
+
+def test_nvidia_pci_devices():
+    output = ["0000:01:00.0 0x2204 0x030000 nvidia", "0000:07:00.0 0x2c02 0x030000 -"]
+    devices = NvidiaPciDevices().process(output)
+    assert devices[0]["driver"] == "nvidia" and devices[1]["driver"] is None
+    assert devices[1]["device_id"] == "0x2c02"
+
+
+def test_firmware_boot():
+    assert FirmwareBoot().process(["uefi", "   1"]) == {"uefi": True, "secure_boot": True}
+    assert FirmwareBoot().process(["bios", "unknown"]) == {"uefi": False, "secure_boot": None}
+
+
+def test_file_head_decodes_base64():
+    data = b"GGUF\x03\x00\x00\x00" + bytes(range(200))
+    assert FileHead().process([base64.b64encode(data).decode()]) == data
+    assert FileHead().process([]) is None
+
+
+def test_server_probe():
+    answer = '{"content": " hi", "timings": {"predicted_per_second": 812.5}}'
+    assert ServerProbe().process(["200", answer]) == {
+        "health": 200,
+        "completion_ok": True,
+        "tokens_per_second": 812.5,
+    }
+    assert ServerProbe().process(["503"])["completion_ok"] is False
