@@ -130,18 +130,6 @@ class JsonFile(FactBase):
             return None
 
 
-class KernelModuleLoaded(FactBase):
-    """Which of the given kernel modules are loaded (from /proc/modules)."""
-
-    default = dict
-
-    def command(self, names: tuple[str, ...]) -> str:
-        return "cat /proc/modules 2>/dev/null || true"
-
-    def process(self, output):
-        return {line.split()[0] for line in output if line.strip()}
-
-
 class ServerProbe(FactBase):
     """Health and one short completion of a running llama-server, from the host itself.
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import time
 
 from pyinfra import host
-from pyinfra.api import operation
+from pyinfra.api import FunctionCommand, OperationError, StringCommand, operation
+from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File, Sha256File
 from pyinfra.facts.git import GitLocalCommit
 
@@ -288,3 +290,93 @@ def restart_service(service: str):
     """
     quoted = shlex.quote(service)
     yield f"systemctl reset-failed {quoted} 2>/dev/null || true; systemctl restart {quoted}"
+
+
+@operation()
+def driver_packages(packages: list[str], dkms_package: str | None = None):
+    """
+    Install NVIDIA driver packages with apt; when the DKMS module does not build, say why in one
+    message and leave apt and dpkg consistent (the half-configured driver packages are purged).
+
+    + packages: the driver packages (with the kernel headers)
+    + dkms_package: the package whose DKMS build can fail, e.g. ``nvidia-open-kernel-dkms``
+
+    **Example:**
+
+    .. code:: python
+
+        driver_packages(
+            packages=["nvidia-open-kernel-dkms", "nvidia-driver", "linux-headers-amd64"],
+            dkms_package="nvidia-open-kernel-dkms",
+        )
+    """
+    installed = host.get_fact(DebPackages)
+    missing = [package for package in packages if package not in installed]
+    if not missing:
+        host.noop(f"{', '.join(packages)} installed")
+        return
+    names = " ".join(shlex.quote(package) for package in packages)
+    dkms = shlex.quote(dkms_package or "")
+    yield f"""
+export DEBIAN_FRONTEND=noninteractive
+log=/var/log/llamarig-driver-install.log
+if ! apt-get install -y --no-install-recommends {names} > $log 2>&1; then
+  make_log=$(ls -t /var/lib/dkms/*/*/build/make.log 2>/dev/null | head -1)
+  kernels=$(ls -d /lib/modules/*/build 2>/dev/null | cut -d/ -f4 | paste -sd' ')
+  error=$(grep -m1 -E 'error:' "$make_log" 2>/dev/null || grep -m1 -iE 'error' $log)
+  version=$(dpkg-query -W -f='${{Version}}' {dkms} 2>/dev/null)
+  # Remove what could not be configured, so apt and dpkg stay usable.
+  apt-get purge -y {names} >> $log 2>&1 || true
+  dpkg --configure -a >> $log 2>&1; apt-get -f install -y >> $log 2>&1
+  echo "llamarig: the NVIDIA driver did not install: {dkms_package or "the driver"} $version" \
+    "failed to build its kernel module for kernel(s) $kernels: $error." \
+    "The driver packages were removed again (apt and dpkg are consistent; full log: $log)." \
+    "Use driver.source nvidia-repo, or a kernel this packaged driver supports." >&2
+  exit 1
+fi
+""".strip()
+
+
+def _boot_id(target) -> str | None:
+    ok, output = target.run_shell_command(StringCommand("cat /proc/sys/kernel/random/boot_id"))
+    return output.stdout.strip() if ok else None
+
+
+@operation(is_idempotent=False)
+def reboot(reboot_timeout: int = 600, interval: int = 2):
+    """
+    Reboot the host and wait until it is back with a new boot id, then reconnect.
+
+    + reboot_timeout: seconds to wait for the host to come back
+    + interval: seconds between reconnection attempts
+
+    pyinfra's ``server.reboot`` confirms the reboot by a lower uptime, which a container (such
+    as the sandbox rig in systemd-nspawn) never shows: its /proc/uptime is the host kernel's.
+    The boot id changes on every boot, of a machine and of a container alike. Guard with
+    ``_if=``: it always reboots.
+    """
+    before: list[str | None] = []
+
+    # pyinfra passes state and host only to functions whose parameters have these names.
+    def remember_boot(state, host):
+        before.append(_boot_id(host))
+
+    yield FunctionCommand(remember_boot, (), {})
+    # Detached, so the SSH channel closes before the machine goes down.
+    yield StringCommand("( sleep 1 && systemctl reboot ) </dev/null >/dev/null 2>&1 &")
+
+    def wait_for_new_boot(state, host):
+        deadline = time.monotonic() + reboot_timeout
+        time.sleep(interval + 1)
+        host.disconnect()
+        while time.monotonic() < deadline:
+            host.connect(show_errors=False)
+            if host.connected:
+                current = _boot_id(host)
+                if current and current != before[0]:
+                    return
+                host.disconnect()
+            time.sleep(interval)
+        raise OperationError(f"{host.name} did not come back within {reboot_timeout} s")
+
+    yield FunctionCommand(wait_for_new_boot, (), {})

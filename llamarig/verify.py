@@ -67,7 +67,7 @@ def verify_host(host_config: HostConfig, pytest_args: list[str]) -> int:
             target = [f"--hosts=ssh://{alias}", f"--ssh-config={config}"]
         command = [
             sys.executable, "-m", "pytest", str(SUITE), *target,
-            "-p", "no:cacheprovider", "-rfEs", "--tb=line", "-q", *pytest_args,
+            "-p", "no:cacheprovider", "-rfEs", "--tb=line", *pytest_args,
         ]  # fmt: skip
         print(f"== verify {host_config.name}", flush=True)
         env = {**os.environ, "LLAMARIG_VERIFY_DATA": str(data_file)}

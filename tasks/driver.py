@@ -3,9 +3,8 @@ checked against the version floors of the GPUs and the toolkit."""
 
 from pyinfra import host
 from pyinfra.facts.server import KernelVersion, LinuxDistribution
-from pyinfra.operations import apt
 
-from llamarig import stage
+from llamarig import operations, stage
 from llamarig.facts import NvidiaSmiGpus
 from llamarig.hardware import check_versions
 from llamarig.platform import is_debian
@@ -50,20 +49,25 @@ else:
     problems = floor_problems(None)
     if problems:
         stage.refuse(problems)
-    headers = f"linux-headers-{host.get_fact(KernelVersion)}"
+    debian = is_debian(host.get_fact(LinuxDistribution))
+    # Debian's headers meta package follows the installed kernel; DKMS builds for it.
+    headers = "linux-headers-amd64" if debian else f"linux-headers-{host.get_fact(KernelVersion)}"
     if driver["source"] == "nvidia-repo":
         packages = ["nvidia-open" if driver["open"] else "cuda-drivers", headers]
-    elif is_debian(host.get_fact(LinuxDistribution)):
+        dkms_package = "nvidia-open-dkms" if driver["open"] else "nvidia-kernel-dkms"
+    elif debian:
         packages = ["nvidia-open-kernel-dkms", "nvidia-driver", "firmware-nvidia-gsp", headers]
+        dkms_package = "nvidia-open-kernel-dkms"
     else:
         branch = driver["branch"]
         suffix = "-open" if driver["open"] else ""
         packages = [f"nvidia-driver-{branch}{suffix}", f"nvidia-utils-{branch}", headers]
+        dkms_package = f"nvidia-dkms-{branch}{suffix}"
     stage.record(
         "reboot",
-        apt.packages(
+        operations.driver_packages(
             name=f"NVIDIA driver ({driver['source']}, branch {driver['branch']})",
             packages=packages,
-            no_recommends=True,
+            dkms_package=dkms_package,
         ),
     )

@@ -7,7 +7,7 @@ from pyinfra import host
 from pyinfra.operations import files, server
 from pyinfra.operations.util import any_changed
 
-from llamarig import render, stage
+from llamarig import operations, render, stage
 
 rig = stage.rig()
 
@@ -46,10 +46,9 @@ else:
         if any(operation.will_change for operation in needs_reboot):
             host.noop("reboot policy `never`: reboot this host to load the new modules")
     elif policy == "always":
-        server.reboot(name="Reboot (policy `always`)", reboot_timeout=600)
+        operations.reboot(name="Reboot (policy `always`)")
     else:
-        server.reboot(
+        operations.reboot(
             name="Reboot to load the new modules (policy `if-needed`)",
-            reboot_timeout=600,
             _if=any_changed(*needs_reboot),
         )

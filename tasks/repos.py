@@ -7,6 +7,7 @@ from pyinfra import host
 from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import apt, files, server
+from pyinfra.operations.apt import APT_UPDATE_FILENAME
 
 from llamarig import render, stage
 from llamarig.platform import codename, is_debian, nvidia_repo_dir
@@ -80,6 +81,13 @@ if "distro" in sources and is_debian(distribution):
     )
 
 if any(operation.will_change for operation in source_ops):
-    apt.update(name="Update apt lists (repositories changed)")
+    server.shell(
+        name="Update apt lists (repositories changed)",
+        # The stamp lets the next run's cache_time check see this update.
+        commands=[
+            "apt-get update",
+            f"mkdir -p /var/lib/apt/periodic && touch {APT_UPDATE_FILENAME}",
+        ],
+    )
 else:
     apt.update(name="Update apt lists (older than an hour)", cache_time=3600)

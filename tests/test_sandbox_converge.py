@@ -17,7 +17,6 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 import urllib.request
 from pathlib import Path
 
@@ -26,7 +25,9 @@ import yaml
 
 from llamarig import CACHE_DIR, render
 from llamarig.config import load_inventory
-from tests.conftest import PROJECT, pyinfra_env
+from tests import sandboxes
+from tests.conftest import PROJECT
+from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -39,40 +40,16 @@ SERVICE = "llama-server"
 
 @pytest.fixture(scope="module")
 def sandbox_info():
-    from llamarig import sandbox
-
     # A fresh root every time: a sandbox left running (by `make demo`) is replaced.
-    sandbox.down("sandbox-trixie")
-    info = sandbox.up()
-    yield info
-    sandbox.down(info.name)
+    yield from fresh_sandbox("sandbox-trixie", "trixie", 2222)
 
 
 def converge(inventory: Path = INVENTORY) -> dict:
-    """Run the real deploy; return pyinfra's JSON results."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pyinfra", "-y", "--json", "inventory.py", "deploy.py"],
-        cwd=PROJECT,
-        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    assert result.returncode == 0, f"deploy failed:\n{result.stderr[-6000:]}"
-    return json.loads(result.stdout)["results"]
+    return sandboxes.converge(inventory)
 
 
-def changed_operations(results: dict) -> list[str]:
-    """Names of the operations that changed something (without their "tasks/x.py | " part)."""
-    return [op["name"].split(" | ", 1)[-1] for op in results["operations"] if op["success"]]
-
-
-def in_sandbox(info, command: str) -> str:
-    from llamarig import sandbox
-
-    result = sandbox.ssh(info, command)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip()
+def verify(inventory: Path = INVENTORY) -> subprocess.CompletedProcess:
+    return sandboxes.verify(inventory)
 
 
 def main_pid(info) -> int:
@@ -187,15 +164,7 @@ def test_commit_change_rebuilds_and_switches(sandbox_info, tmp_path, second_comm
 def test_unknown_flag_is_refused_before_the_unit_changes(sandbox_info, tmp_path):
     unit_before = in_sandbox(sandbox_info, f"sha256sum /etc/systemd/system/{SERVICE}.service")
     pid_before = main_pid(sandbox_info)
-    inventory = variant(tmp_path, server={"extra_args": ["--no-such-flag", "1"]})
-    result = subprocess.run(
-        [sys.executable, "-m", "pyinfra", "-y", "inventory.py", "deploy.py"],
-        cwd=PROJECT,
-        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = deploy(variant(tmp_path, server={"extra_args": ["--no-such-flag", "1"]}))
     assert result.returncode != 0
     assert "does not know: --no-such-flag" in result.stdout + result.stderr
     assert in_sandbox(sandbox_info, f"sha256sum /etc/systemd/system/{SERVICE}.service") == (
@@ -243,17 +212,6 @@ def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
     print(f"KV cache: planned {planned_kv:.2f} MiB, llama-server {logged_kv:.2f} MiB")
     assert abs(planned_weights - logged_weights) <= 0.05 * logged_weights
     assert abs(planned_kv - logged_kv) <= 0.05 * logged_kv
-
-
-def verify(inventory: Path = INVENTORY) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "llamarig.cli", "verify"],
-        cwd=PROJECT,
-        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def test_verify_passes_on_the_converged_sandbox(sandbox_info):

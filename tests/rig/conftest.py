@@ -44,8 +44,12 @@ def nvidia_rig(data) -> dict:
 @pytest.fixture(scope="module")
 def gpus(host, nvidia_rig) -> list[dict]:
     """The GPUs as nvidia-smi reports them; skipped (with the reason) on a host without one."""
+    from llamarig.facts import NvidiaPciDevices
+
+    if not host.run(NvidiaPciDevices().command()).stdout.strip():
+        pytest.skip("no NVIDIA GPU on this host's PCI bus: GPU checks not possible")
     if not host.exists("nvidia-smi"):
-        pytest.skip("nvidia-smi is not on this host: no GPU checks possible")
+        pytest.fail("the host has an NVIDIA GPU but no nvidia-smi: the driver is not installed")
     fields = "index,pci.bus_id,name,memory.total,compute_cap,pcie.link.gen.current," + (
         "pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max,driver_version"
     )

@@ -1,0 +1,65 @@
+"""Helpers of the sandbox integration tests: run the real deploy and `llamarig verify` against
+an inventory, run commands in a sandbox, boot one for a test module."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import PROJECT, pyinfra_env
+
+
+def deploy(inventory: Path, *extra: str, timeout: int = 3600) -> subprocess.CompletedProcess:
+    """Run `pyinfra -y inventory.py deploy.py` for real with RIG_INVENTORY=inventory."""
+    return subprocess.run(
+        [sys.executable, "-m", "pyinfra", "-y", *extra, "inventory.py", "deploy.py"],
+        cwd=PROJECT,
+        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def converge(inventory: Path) -> dict:
+    """A deploy that must succeed; returns pyinfra's JSON results."""
+    result = deploy(inventory, "--json")
+    assert result.returncode == 0, f"deploy failed:\n{result.stderr[-6000:]}"
+    return json.loads(result.stdout)["results"]
+
+
+def changed_operations(results: dict) -> list[str]:
+    """Names of the operations that changed something (without their "tasks/x.py | " part)."""
+    return [op["name"].split(" | ", 1)[-1] for op in results["operations"] if op["success"]]
+
+
+def verify(inventory: Path, *pytest_args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "llamarig.cli", "verify", "--", *pytest_args],
+        cwd=PROJECT,
+        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def in_sandbox(info, command: str) -> str:
+    """Run a shell command in the sandbox over SSH; it must succeed; returns its stdout."""
+    from llamarig import sandbox
+
+    result = sandbox.ssh(info, command, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def fresh_sandbox(name: str, release: str, ssh_port: int):
+    """Boot a fresh sandbox (one left running is replaced); a generator for fixtures."""
+    from llamarig import sandbox
+
+    sandbox.down(name)
+    info = sandbox.up(release=release, name=name, ssh_port=ssh_port)
+    yield info
+    sandbox.down(name)

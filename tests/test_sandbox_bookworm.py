@@ -1,0 +1,90 @@
+"""The `distro` driver path and the reboot policy on a real Debian bookworm target.
+
+A bookworm sandbox (systemd-nspawn, like the trixie one) converges with `driver.source: distro`:
+Debian's nvidia-open-kernel-dkms is installed from contrib/non-free and DKMS builds the module
+for the sandbox's installed kernel headers (the sandbox has no GPU: the module is built, never
+loaded). The changed blacklist triggers exactly one reboot under `reboot: if-needed` (the
+sandbox's supervisor restarts systemd-nspawn, as a machine comes back), after which the deploy
+reconnects and finishes. Stand-ins as in test_sandbox_converge: model and llama.cpp mirror on
+loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.request
+
+import pytest
+
+from tests.conftest import PROJECT
+from tests.sandboxes import changed_operations, converge, fresh_sandbox, in_sandbox, verify
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+if os.geteuid() != 0:
+    pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
+
+INVENTORY = PROJECT / "inventory" / "sandbox-bookworm.yml"
+NAME = "sandbox-bookworm"
+BLACKLIST = "/etc/modprobe.d/llamarig-blacklist-nouveau-nova.conf"
+
+
+@pytest.fixture(scope="module")
+def bookworm():
+    yield from fresh_sandbox(NAME, "bookworm", 2223)
+
+
+def boot_id(info) -> str:
+    return in_sandbox(info, "cat /proc/sys/kernel/random/boot_id")
+
+
+def test_distro_driver_builds_with_dkms_and_reboots_once(bookworm):
+    before = boot_id(bookworm)
+    results = converge(INVENTORY)
+    names = changed_operations(results)
+    assert "NVIDIA driver (distro, branch 580)" in names
+    assert "Reboot to load the new modules (policy `if-needed`)" in names
+    assert boot_id(bookworm) != before, "the sandbox was not rebooted"
+    status = in_sandbox(bookworm, "dkms status")
+    print(status)
+    assert "nvidia-current" in status and "installed" in status, status
+    kernel = in_sandbox(bookworm, "ls /lib/modules | grep -- '-amd64$' | sort -V | tail -1")
+    module = in_sandbox(bookworm, f"find /lib/modules/{kernel} -name 'nvidia*.ko*' | head -1")
+    assert module, f"no nvidia module built for {kernel}"
+    assert "blacklist nova_core" in in_sandbox(bookworm, f"cat {BLACKLIST}")
+    request = urllib.request.Request(
+        "http://127.0.0.1:8081/completion",
+        json.dumps({"prompt": "Hi", "n_predict": 4}).encode(),
+        {"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert json.load(response)["tokens_predicted"] == 4
+
+
+def test_second_converge_changes_nothing_and_does_not_reboot(bookworm):
+    before = boot_id(bookworm)
+    results = converge(INVENTORY)
+    assert results["totals"]["success"] == 0, changed_operations(results)
+    assert boot_id(bookworm) == before
+
+
+def test_verify_passes_without_gpu_checks(bookworm):
+    result = verify(INVENTORY, "-v")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "no NVIDIA GPU on this host's PCI bus" in result.stdout
+    for check in ("test_nouveau_and_nova_blacklisted", "test_nouveau_and_nova_not_loaded"):
+        assert f"{check}[ssh://llamarig-sandbox-bookworm] PASSED" in result.stdout
+
+
+def test_verify_names_a_removed_blacklist_and_the_deploy_restores_it(bookworm):
+    in_sandbox(bookworm, f"rm {BLACKLIST}")
+    result = verify(INVENTORY)
+    assert result.returncode != 0
+    assert "test_nouveau_and_nova_blacklisted" in result.stdout
+    assert "not blacklisted in the modprobe configuration" in result.stdout
+    before = boot_id(bookworm)
+    names = changed_operations(converge(INVENTORY))
+    assert "Blacklist nouveau, nova_core and nova" in names
+    assert boot_id(bookworm) != before  # the restored blacklist needs its reboot again
+    assert verify(INVENTORY).returncode == 0
