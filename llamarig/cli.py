@@ -83,7 +83,7 @@ def _complete(args: argparse.Namespace) -> int:
         data = host_config.data
         body = json.dumps({"prompt": args.prompt, "n_predict": args.tokens, "temperature": 0})
         curl = (
-            "curl -sS -f -H 'Content-Type: application/json' "
+            f"curl -sS -f {render.CURL_AUTH} -H 'Content-Type: application/json' "
             f"-d {shlex.quote(body)} {render.base_url(data)}/completion"
         )
         command = ["sh", "-c", curl] if data["ssh"].get("local") else [*ssh_command(data), curl]

@@ -241,6 +241,9 @@ def _describe_schema_error(host_config: HostConfig, error) -> str:
     return _located(host_config, key_path, text)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
+
+
 def _json_type(value: Any) -> str:
     names = {
         bool: "a boolean",
@@ -341,6 +344,25 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
         problems.append(
             (("server", "ctx"), "`auto` plans GPU memory; give a number for a cpu build")
         )
+
+    if server["host"] not in LOOPBACK_HOSTS and not server["api_key_file"]:
+        problems.append(
+            (
+                ("server", "host"),
+                f"{server['host']} exposes the API to the network; set `server.api_key_file` to "
+                "a file holding an API key, or listen on 127.0.0.1",
+            )
+        )
+    if server["api_key_file"]:
+        key_file = os.path.expanduser(server["api_key_file"])
+        if not os.path.isfile(key_file) or not Path(key_file).read_text().strip():
+            problems.append(
+                (
+                    ("server", "api_key_file"),
+                    f"{key_file} does not exist or is empty; write the "
+                    "key to it (e.g. openssl rand -hex 32 > FILE; chmod 600 FILE)",
+                )
+            )
 
     spec_types = server["spec"]["type"]
     if "none" in spec_types and len(spec_types) > 1:

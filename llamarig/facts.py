@@ -8,6 +8,8 @@ import shlex
 
 from pyinfra.api import FactBase
 
+from llamarig.render import CURL_AUTH
+
 
 class NvidiaPciDevices(FactBase):
     """NVIDIA display/3D controllers on the PCI bus, read from sysfs (works before any driver).
@@ -142,7 +144,7 @@ class ServerProbe(FactBase):
         body = '{"prompt": "Hello", "n_predict": 4, "temperature": 0}'
         return (
             f"curl -s -o /dev/null -w '%{{http_code}}\\n' {base_url}/health || echo 000; "
-            f"curl -sf -H 'Content-Type: application/json' -d '{body}' "
+            f"curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d '{body}' "
             f"{base_url}/completion || true"
         )
 

@@ -3,18 +3,26 @@ run with nothing to do yields nothing (and pyinfra counts it as unchanged)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import shlex
 import time
 
 from pyinfra import host
-from pyinfra.api import FunctionCommand, OperationError, StringCommand, operation
+from pyinfra.api import (
+    FileUploadCommand,
+    FunctionCommand,
+    OperationError,
+    StringCommand,
+    operation,
+)
 from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File, Sha256File
 from pyinfra.facts.git import GitLocalCommit
 
 from llamarig.facts import JsonFile
+from llamarig.render import CURL_AUTH
 
 
 @operation()
@@ -227,7 +235,8 @@ done
     if completion:
         script += f"""
 body='{{"prompt": "Hello", "n_predict": 4, "temperature": 0}}'
-answer=$(curl -sf -H 'Content-Type: application/json' -d "$body" {base_url}/completion) || {{
+answer=$(curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d "$body" \
+  {base_url}/completion) || {{
   echo "llamarig: {base_url}/completion failed; last journal lines:" >&2; journal; exit 1; }}
 echo "$answer" | grep -q '"content"' || {{
   echo "llamarig: unexpected completion answer: $answer" >&2; exit 1; }}
@@ -380,3 +389,32 @@ def reboot(reboot_timeout: int = 600, interval: int = 2):
         raise OperationError(f"{host.name} did not come back within {reboot_timeout} s")
 
     yield FunctionCommand(wait_for_new_boot, (), {})
+
+
+@operation()
+def secret_file(src: str, dest: str):
+    """
+    Copy a secret (an API key) to a root-only file on the host, only when it differs.
+
+    + src: local file with the secret
+    + dest: file on the host, created 0600 before anything is written to it
+
+    Unlike ``files.put`` this never shows the content (pyinfra's ``--diff`` prints what
+    ``files.put`` writes) and never leaves a readable temporary copy.
+
+    **Example:**
+
+    .. code:: python
+
+        secret_file(src="~/.config/llamarig/rig1.key", dest="/etc/llamarig/api-key")
+    """
+    with open(src, "rb") as handle:
+        wanted = hashlib.sha256(handle.read()).hexdigest()
+    if host.get_fact(Sha256File, path=dest) == wanted:
+        host.noop(f"{dest} is up to date")
+        return
+    quoted = shlex.quote(dest)
+    yield f"mkdir -p $(dirname {quoted}) && umask 077 && : > {quoted} && chmod 600 {quoted}"
+    # Written in place (no temporary file), so it is never readable by anyone but root.
+    yield FileUploadCommand(src, dest)
+    yield f"chown root:root {quoted} && chmod 600 {quoted}"

@@ -21,6 +21,11 @@ from llamarig.hardware import cuda_architectures
 
 TEMPLATES_DIR = PROJECT_DIR / "files"
 BUILD_COMPLETE_MARKER = ".llamarig-build.json"
+# The API key on the host (root only), and a curl header file made from it for the deploy's own
+# checks (curl -H @FILE keeps the key out of every command line).
+API_KEY_PATH = "/etc/llamarig/api-key"
+API_KEY_HEADER_PATH = "/etc/llamarig/api-key.header"
+CURL_AUTH = f'$([ -f {API_KEY_HEADER_PATH} ] && echo "-H @{API_KEY_HEADER_PATH}")'
 
 
 def nvcc_path(data: dict) -> str | None:
@@ -278,6 +283,7 @@ def unit_context(data: dict) -> dict:
         "mlock": "mlock" in server["load_mode"],
         "models_dir": data["paths"]["models"],
         "prefix": data["paths"]["prefix"],
+        "api_key_path": API_KEY_PATH if server["api_key_file"] else None,
     }
 
 

@@ -47,7 +47,8 @@ def expectations(host_config: HostConfig) -> dict:
             "base_url": render.base_url(data),
             "nvcc": render.nvcc_path(data),
             "cmake_options": render.cmake_options(data),
-            "api_key": False,
+            "api_key": bool(data["server"]["api_key_file"]),
+            "curl_auth": render.CURL_AUTH,
         },
     }
 

@@ -46,9 +46,7 @@ elif running_version and not floor_problems(running_version):
         f"driver {running_version} is already installed and meets the floors; not reinstalled"
     )
 else:
-    problems = floor_problems(None)
-    if problems:
-        stage.refuse(problems)
+    # The version gates of the GPUs and toolkit were checked by the plan in preflight.
     debian = is_debian(host.get_fact(LinuxDistribution))
     # Debian's headers meta package follows the installed kernel; DKMS builds for it.
     headers = "linux-headers-amd64" if debian else f"linux-headers-{host.get_fact(KernelVersion)}"

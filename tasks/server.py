@@ -1,9 +1,13 @@
 """Server: the systemd unit and environment file rendered from files/, restarted only when they,
 the build or the model changed, then a bounded wait until it serves."""
 
+import os
 from io import StringIO
 
+from pyinfra import host
+from pyinfra.facts.files import File
 from pyinfra.operations import files, systemd
+from pyinfra.operations import server as server_ops
 from pyinfra.operations.util import any_changed
 
 from llamarig import operations, render, stage
@@ -13,6 +17,26 @@ rig = stage.plan().resolved
 server = rig["server"]
 paths = render.layout(rig)
 service = f"{server['service']}.service"
+
+if server["api_key_file"]:
+    api_key = operations.secret_file(
+        name="API key (root only; the service reads it as a credential)",
+        src=os.path.expanduser(server["api_key_file"]),
+        dest=render.API_KEY_PATH,
+    )
+    if api_key.will_change or not host.get_fact(File, path=render.API_KEY_HEADER_PATH):
+        server_ops.shell(
+            name="curl header file for the deploy's own checks (root only)",
+            # printf is a shell builtin: the key never appears in a process's arguments.
+            commands=[
+                f"umask 077; printf 'Authorization: Bearer %s\\n' "
+                f'"$(head -n1 {render.API_KEY_PATH})" > {render.API_KEY_HEADER_PATH}'
+            ],
+        )
+    stage.record("server", api_key)
+else:
+    for path in (render.API_KEY_PATH, render.API_KEY_HEADER_PATH):
+        files.file(name=f"No API key file {path}", path=path, present=False)
 
 env_file = files.put(
     name="Service environment file",

@@ -31,9 +31,10 @@ def problems_of(write_inventory, text: str) -> list[str]:
 
 
 def test_shipped_inventories_are_valid():
-    for name in ("hosts.yml", "example-5080-3090.yml"):
-        inventory = load_inventory(PROJECT / "inventory" / name)
-        assert inventory.hosts
+    paths = sorted((PROJECT / "inventory").glob("*.yml"))
+    assert len(paths) >= 4
+    for path in paths:
+        assert load_inventory(path).hosts, path
 
 
 def test_defaults_fill_what_the_host_leaves_out(write_inventory):
@@ -167,3 +168,17 @@ def test_example_rig_dry_run_fails_only_on_the_connection():
     assert "[rig1] Could not connect" in output
     assert "No hosts remaining" in output
     assert "not valid" not in output and "Traceback" not in output
+
+
+def test_network_listener_needs_an_api_key(write_inventory, tmp_path):
+    problems = problems_of(write_inventory, with_host_keys("server: {host: 0.0.0.0}"))
+    assert any("hosts.rig1.server.host:" in p and "api_key_file" in p for p in problems)
+    missing = tmp_path / "none.key"
+    problems = problems_of(
+        write_inventory, with_host_keys(f"server: {{host: 0.0.0.0, api_key_file: {missing}}}")
+    )
+    assert any(f"{missing} does not exist or is empty" in p for p in problems)
+    key = tmp_path / "rig.key"
+    key.write_text("s3cret-key\n")
+    path = write_inventory(with_host_keys(f"server: {{host: 0.0.0.0, api_key_file: {key}}}"))
+    assert load_inventory(path).hosts["rig1"].data["server"]["api_key_file"] == str(key)

@@ -143,3 +143,15 @@ def test_zero_share_gpu_is_left_out_of_the_devices(seed_rig):
     rig["server"]["tensor_split"] = [0, 1]
     args = render.server_args(rig)
     assert (flag_value(args, "-dev"), flag_value(args, "-ts")) == ("CUDA0", "1")
+
+
+def test_api_key_reaches_the_service_as_a_credential(sandbox_rig, tmp_path):
+    key = tmp_path / "rig.key"
+    key.write_text("s3cret-key\n")
+    rig = copy.deepcopy(sandbox_rig)
+    rig["server"].update(host="0.0.0.0", api_key_file=str(key))
+    unit = render.render_unit(rig)
+    assert "LoadCredential=api-key:/etc/llamarig/api-key" in unit
+    assert "--api-key-file %d/api-key" in unit
+    text = unit + render.render_env_file(rig) + " ".join(render.server_args(rig))
+    assert "s3cret" not in text and "--api-key " not in text

@@ -15,8 +15,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import shlex
 import subprocess
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -251,3 +253,50 @@ def test_verify_names_an_exposed_port_and_the_deploy_repairs_it(sandbox_info):
         changed_operations(results)
     )
     assert verify().returncode == 0
+
+
+def test_api_key_protects_a_network_listener_and_stays_secret(sandbox_info, tmp_path):
+    key = secrets.token_hex(24)
+    key_file = tmp_path / "rig.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    inventory = variant(tmp_path, server={"host": "0.0.0.0", "api_key_file": str(key_file)})
+    result = deploy(inventory, "-v")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert key not in result.stdout + result.stderr, "the key leaked into pyinfra's output"
+
+    def status(path: str, body: dict | None, token: str | None) -> int:
+        headers = {"Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        data = json.dumps(body).encode() if body else None
+        request = urllib.request.Request(f"http://127.0.0.1:8080{path}", data, headers)
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                return response.status
+        except urllib.error.HTTPError as error:
+            return error.code
+
+    prompt = {"prompt": "Hello", "n_predict": 4}
+    assert status("/completion", prompt, None) == 401
+    assert status("/completion", prompt, "wrong") == 401
+    assert status("/completion", prompt, key) == 200
+    assert status("/health", None, None) == 200
+    pid = main_pid(sandbox_info)
+    places = {
+        "unit": f"systemctl cat {SERVICE}",
+        "argv": f"tr '\\0' ' ' < /proc/{pid}/cmdline",
+        "env file": "cat /etc/llamarig/llama-server.env",
+        "journal": f"journalctl -u {SERVICE} -o cat --no-pager",
+    }
+    for place, command in places.items():
+        assert key not in in_sandbox(sandbox_info, command), f"the key is in the {place}"
+    assert in_sandbox(sandbox_info, "stat -c '%a %U' /etc/llamarig/api-key") == "600 root"
+    result = sandboxes.verify(inventory, "-v")
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert "test_api_key_is_required_when_set[ssh://llamarig-sandbox] PASSED" in result.stdout
+
+    # Back on loopback without a key: the key files go.
+    converge()
+    assert in_sandbox(sandbox_info, "ls /etc/llamarig") == "llama-server.env"
+    assert status("/completion", prompt, None) == 200

@@ -68,10 +68,11 @@ def api(host, derived):
     """Call the server's API from the host itself (it may listen on loopback only)."""
     base = derived["base_url"]
 
-    def call(path: str, body: dict | None = None) -> tuple[int, str]:
-        payload = ""
+    def call(path: str, body: dict | None = None, auth: bool = True) -> tuple[int, str]:
+        """GET (or POST ``body``); with the host's root-only API key header when one is set."""
+        payload = derived["curl_auth"] if auth else ""
         if body is not None:
-            payload = f"-H 'Content-Type: application/json' -d '{json.dumps(body)}'"
+            payload += f" -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
         result = host.run(
             f"curl -s -o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} {base}{path}; "
             "echo; cat /tmp/llamarig-verify.out; rm -f /tmp/llamarig-verify.out"

@@ -243,6 +243,15 @@ def test_api_health_completion_metrics(api, data):
         assert code == 200 and "llamacpp:" in body, f"/metrics: {code}"
 
 
+def test_api_key_is_required_when_set(api, derived):
+    if not derived["api_key"]:
+        pytest.skip("no API key configured (server on loopback)")
+    code, _ = api("/completion", {"prompt": "Hello", "n_predict": 1}, auth=False)
+    assert code == 401, f"an unauthenticated /completion got {code}, not 401"
+    code, _ = api("/health", auth=False)
+    assert code == 200, f"/health (for probes) answered {code} without the key"
+
+
 def test_server_runs_on_the_gpus(host, data, gpus):
     """/health is 200 even after a silent fall back to the CPU: ask the driver which GPUs hold
     the server's process."""
