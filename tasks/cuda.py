@@ -29,4 +29,8 @@ elif cuda["source"] == "nvidia-repo":
         no_recommends=True,
     )
 else:
-    apt.packages(name="CUDA toolkit (distribution)", packages=["nvidia-cuda-toolkit"])
+    apt.packages(
+        name=f"CUDA toolkit (distribution, nvcc {nvcc})",
+        packages=["nvidia-cuda-toolkit"],
+        no_recommends=True,
+    )

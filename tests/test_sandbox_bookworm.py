@@ -3,7 +3,8 @@
 A bookworm sandbox (systemd-nspawn, like the trixie one) converges with `driver.source: distro`:
 Debian's nvidia-open-kernel-dkms is installed from contrib/non-free and DKMS builds the module
 for the sandbox's installed kernel headers (the sandbox has no GPU: the module is built, never
-loaded). The changed blacklist triggers exactly one reboot under `reboot: if-needed` (the
+loaded), and Debian's CUDA toolkit against which llama.cpp's CUDA build configures. The
+changed blacklist triggers exactly one reboot under `reboot: if-needed` (the
 sandbox's supervisor restarts systemd-nspawn, as a machine comes back), after which the deploy
 reconnects and finishes. Stand-ins as in test_sandbox_converge: model and llama.cpp mirror on
 loopback.
@@ -11,12 +12,16 @@ loopback.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+import shlex
 import urllib.request
 
 import pytest
 
+from llamarig import render
+from llamarig.config import load_inventory
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, converge, fresh_sandbox, in_sandbox, verify
 
@@ -60,6 +65,28 @@ def test_distro_driver_builds_with_dkms_and_reboots_once(bookworm):
     )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert json.load(response)["tokens_predicted"] == 4
+
+
+def test_cuda_configure_with_the_installed_toolkit(bookworm):
+    """cmake configures llama.cpp with GGML_CUDA=ON against the toolkit the deploy installed,
+    with the command the deploy renders for a CUDA rig (an RTX 3090: 86-real)."""
+    data = copy.deepcopy(load_inventory(INVENTORY).hosts[NAME].data)
+    data["llama_cpp"]["backend"] = "cuda"
+    data["gpus"] = [
+        {"name": "NVIDIA GeForce RTX 3090", "vram_mib": 24576, "compute_capability": "8.6"}
+    ]
+    command = render.cmake_configure_command(data)
+    command[command.index("-B") + 1] = "/tmp/llamarig-cuda-configure"
+    assert "-DCMAKE_CUDA_COMPILER=/usr/bin/nvcc" in command
+    log = in_sandbox(
+        bookworm,
+        f"{shlex.join(command)} > /tmp/configure.log 2>&1; rc=$?; cat /tmp/configure.log; "
+        "rm -rf /tmp/llamarig-cuda-configure; exit $rc",
+    )
+    print("\n".join(line for line in log.splitlines() if "CUDA" in line))
+    assert "CUDA Toolkit found" in log or "Found CUDAToolkit" in log, log[-3000:]
+    assert "86-real" in log
+    assert "Build files have been written" in log
 
 
 def test_second_converge_changes_nothing_and_does_not_reboot(bookworm):
