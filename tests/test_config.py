@@ -121,15 +121,21 @@ def test_defaults_file_is_blamed_for_defaults(write_inventory):
     assert problem.startswith("group_data/all.yml: hosts.rig1.llama_cpp.cuda_architectures:")
 
 
-def test_inventory_py_refuses_bad_config_without_traceback(write_inventory):
-    path = write_inventory(with_host_keys("server: {port: x}"))
-    result = subprocess.run(
+def dry_run(inventory) -> subprocess.CompletedProcess:
+    """`pyinfra inventory.py deploy.py --dry` with RIG_INVENTORY=inventory."""
+    return subprocess.run(
         [sys.executable, "-m", "pyinfra", "inventory.py", "deploy.py", "--dry"],
         cwd=PROJECT,
-        env=pyinfra_env(RIG_INVENTORY=str(path)),
+        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
         capture_output=True,
         text=True,
+        timeout=120,
     )
+
+
+def test_inventory_py_refuses_bad_config_without_traceback(write_inventory):
+    path = write_inventory(with_host_keys("server: {port: x}"))
+    result = dry_run(path)
     assert result.returncode == 2
     assert f"{path}: hosts.rig1.server.port:" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
@@ -141,13 +147,7 @@ def test_missing_key_file_is_named_before_connecting(write_inventory, tmp_path):
             "{host: 192.0.2.1, user: root}", f"{{host: 192.0.2.1, key: {tmp_path}/nokey}}"
         )
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "pyinfra", "inventory.py", "deploy.py", "--dry"],
-        cwd=PROJECT,
-        env=pyinfra_env(RIG_INVENTORY=str(path)),
-        capture_output=True,
-        text=True,
-    )
+    result = dry_run(path)
     assert result.returncode == 2
     assert f"hosts.rig1.ssh.key: the private key {tmp_path}/nokey does not exist" in result.stderr
 
@@ -155,14 +155,7 @@ def test_missing_key_file_is_named_before_connecting(write_inventory, tmp_path):
 def test_example_rig_dry_run_fails_only_on_the_connection():
     """The seed rig's inventory is valid and its deploy gets as far as connecting (192.0.2.10
     is a documentation address that nothing answers)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pyinfra", "inventory.py", "deploy.py", "--dry"],
-        cwd=PROJECT,
-        env=pyinfra_env(RIG_INVENTORY="inventory/example-5080-3090.yml"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = dry_run("inventory/example-5080-3090.yml")
     output = result.stdout + result.stderr
     assert result.returncode == 1
     assert "[rig1] Could not connect" in output

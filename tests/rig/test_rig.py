@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from llamarig.config import LOOPBACK_HOSTS
 from llamarig.hardware import check_versions, cuda_architecture
 from llamarig.platform import SUPPORTED, os_key
 
@@ -225,7 +226,7 @@ def test_listens_only_where_configured(host, data, derived):
     mine = [line.split()[3] for line in listening if '"llama-server"' in line]
     expected = f"{server['host']}:{server['port']}"
     assert mine == [expected], f"llama-server listens on {mine}, configured only {expected}"
-    if server["host"] not in ("127.0.0.1", "::1", "localhost"):
+    if server["host"] not in LOOPBACK_HOSTS:
         assert derived["api_key"], (
             f"llama-server listens on {server['host']} (not loopback) without an API key: "
             "anyone on the network can use it; set an API key or listen on 127.0.0.1"
