@@ -200,16 +200,16 @@ def fetch_header(url: str) -> GgufHeader:
 
 
 def load_header(data: dict, model_path: str | None = None) -> tuple[GgufHeader | None, str]:
-    """The model header for planning: a local file, else the configured URL; with a reason
-    when it cannot be had."""
+    """The model header for planning: a local file, else the configured URL. Returns
+    (header, "") or (None, why it cannot be had)."""
     if model_path:
         with open(model_path, "rb") as model:
-            return read_gguf_header(model, name=model_path), model_path
+            return read_gguf_header(model, name=model_path), ""
     url = data["model"]["url"]
     if not url:
-        return None, "the model is a file on the host (pass --probe or --model PATH)"
+        return None, "the model is a file on the host (plan with --model PATH, a local copy)"
     try:
-        return fetch_header(url), url
+        return fetch_header(url), ""
     except (urllib.error.URLError, OSError, GgufError) as error:
         return None, f"cannot read the GGUF header from {url}: {error}"
 

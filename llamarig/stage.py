@@ -16,7 +16,7 @@ from pyinfra.connectors.local import LocalConnector
 from llamarig.config import ConfigError, rig_data
 from llamarig.facts import FileHead, NvidiaPciDevices, NvidiaSmiGpus
 from llamarig.gguf_header import GgufError, read_gguf_header
-from llamarig.plan import HostPlan, fetch_header, gpus_from_pci, plan_host
+from llamarig.plan import HostPlan, gpus_from_pci, load_header, plan_host
 from llamarig.render import layout
 
 # A GGUF header with a 250k-token vocabulary is about 10 MiB; it travels base64 over SSH.
@@ -66,21 +66,17 @@ def _probe_gpus() -> tuple[list[dict] | None, str, str | None]:
 
 def _model_header(data: dict):
     """The header from the model's URL (before anything is on the host), else the host's file."""
-    reasons = []
-    if data["model"]["url"]:
-        try:
-            return fetch_header(data["model"]["url"]), ""
-        except (OSError, GgufError) as error:
-            reasons.append(f"{data['model']['url']}: {error}")
+    header, reason = load_header(data)
+    if header is not None:
+        return header, ""
     path = layout(data)["model"]
     head = host.get_fact(FileHead, path=path, size=HOST_HEADER_READ)
     if head is None:
-        reasons.append(f"{path} is not on the host yet")
-        return None, "; ".join(reasons)
+        return None, f"{reason}; {path} is not on the host yet"
     try:
         return read_gguf_header(head, name=path), ""
     except GgufError as error:
-        return None, "; ".join([*reasons, str(error)])
+        return None, f"{reason}; {error}"
 
 
 def refuse(problems: list[str]) -> None:
