@@ -8,18 +8,22 @@ any host is contacted.
 from __future__ import annotations
 
 import copy
+import datetime
 import difflib
 import json
+import math
 import os
+import reprlib
+import unicodedata
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 import yaml
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, validators
 
-from llamarig import PACKAGE_DIR, PROJECT_DIR
+from llamarig import PACKAGE_DIR, PROJECT_DIR, hardware
 
 SCHEMA_PATH = PACKAGE_DIR / "schema.json"
 DEFAULTS_PATH = PROJECT_DIR / "group_data" / "all.yml"
@@ -61,21 +65,144 @@ def inventory_path() -> Path:
     return chosen
 
 
+class _RigLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with a scalar it cannot convert (``2024-13-45`` read as a date,
+    ``!!int abc``) reported as a syntax error at its line instead of a bare ValueError, and a
+    key given twice in one mapping refused (PyYAML would silently keep the last one: a second
+    `server:` under a host would drop the first)."""
+
+    def compose_mapping_node(self, anchor):
+        node = super().compose_mapping_node(anchor)
+        seen: dict[tuple, Any] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            key = (key_node.tag, key_node.value)
+            if key in seen:
+                raise yaml.composer.ComposerError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"the key `{key_node.value}` is given twice in one mapping (first on line "
+                    f"{seen[key].line + 1}) and YAML would keep only the last; merge the two",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark
+        return node
+
+    def construct_object(self, node, deep=False):
+        try:
+            return super().construct_object(node, deep)
+        except (yaml.YAMLError, RecursionError):
+            raise
+        except Exception as error:  # PyYAML's constructors raise ValueError, IndexError, ...
+            shown = f" {node.value!r}" if isinstance(node, yaml.ScalarNode) else ""
+            raise yaml.constructor.ConstructorError(
+                None,
+                None,
+                f"cannot read the value{shown} as {node.tag.rsplit(':', 1)[-1]} ({error}); "
+                "quote it to keep it as text",
+                node.start_mark,
+            ) from None
+
+
+# Far beyond any inventory (a few levels deep, a few hundred values), far below what would
+# exhaust the recursion limit or memory of the checks that walk the data.
+MAX_DEPTH = 32
+MAX_VALUES = 100_000
+
+
 def load_yaml(path: Path) -> Any:
-    """Parse a YAML file; syntax errors become a ConfigError with the line and column."""
+    """Parse a YAML file; every way it can fail becomes a ConfigError naming the file (and the
+    line and column where YAML knows them)."""
     try:
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
     except FileNotFoundError:
         raise ConfigError(
             [f"{path}: file not found (set {INVENTORY_ENV} to an inventory file)"]
         ) from None
+    except IsADirectoryError:
+        raise ConfigError(
+            [f"{path}: is a directory; set {INVENTORY_ENV} to an inventory file in it"]
+        ) from None
+    except OSError as error:
+        raise ConfigError(
+            [f"{path}: cannot be read ({error.strerror or error}); fix its permissions or path"]
+        ) from None
     try:
-        return yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = raw[: error.start].count(b"\n") + 1
+        raise ConfigError(
+            [
+                f"{path}:{line}: not UTF-8 text (byte 0x{raw[error.start]:02x} at offset "
+                f"{error.start}); save the file as UTF-8"
+            ]
+        ) from None
+    try:
+        return yaml.load(text, Loader=_RigLoader)  # a SafeLoader: no Python objects
+    except yaml.reader.ReaderError as error:
+        line = text[: error.position].count("\n") + 1
+        column = error.position - (text.rfind("\n", 0, error.position) + 1) + 1
+        character = error.character
+        character = chr(character) if isinstance(character, int) else character
+        raise ConfigError(
+            [
+                f"{path}:{line}:{column}: YAML cannot contain the character {ascii(character)} "
+                f"({error.reason}); remove it or write it as an escape in a double-quoted string"
+            ]
+        ) from None
     except yaml.YAMLError as error:
         mark = getattr(error, "problem_mark", None)
         where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = getattr(error, "problem", None) or str(error)
+        context = getattr(error, "context", None)
+        context_mark = getattr(error, "context_mark", None)
+        if context and context_mark and (not mark or context_mark.line != mark.line):
+            problem += f" ({context} that starts on line {context_mark.line + 1})"
+        if "'\\t'" in problem:
+            problem += "; indent with spaces: YAML does not allow tabs there"
+        elif "; " not in problem:
+            problem += (
+                "; fix the YAML there (indentation, a missing `:`, an unclosed bracket or "
+                "quote; quote a value that starts with a special character)"
+            )
         raise ConfigError([f"{path}{where}: YAML syntax error: {problem}"]) from None
+    except RecursionError:
+        raise ConfigError(
+            [
+                f"{path}: YAML nested too deeply to read; an inventory needs a few levels "
+                "(all: children: GROUP: hosts: NAME: settings)"
+            ]
+        ) from None
+
+
+def _shape_problem(document: Any) -> str | None:
+    """What makes a parsed document unfit to walk, or None: a structure that refers to itself
+    (``&a [*a]``), nesting beyond MAX_DEPTH, or aliases expanding beyond MAX_VALUES values."""
+    count = 0
+    stack: list[tuple[Any, tuple, frozenset]] = [(document, (), frozenset())]
+    while stack:
+        value, key_path, ancestors = stack.pop()
+        count += 1
+        dotted = ".".join(str(part) for part in key_path[:MAX_DEPTH]) or "the top level"
+        if count > MAX_VALUES:
+            return (
+                f"{dotted}: the document expands to more than {MAX_VALUES} values (anchors "
+                "and aliases nested in each other); write the settings out plainly"
+            )
+        if not isinstance(value, dict | list):
+            continue
+        if id(value) in ancestors:
+            return (
+                f"{dotted}: an alias refers to a mapping or list that contains it (a "
+                "recursive structure); settings must be a tree: use the alias elsewhere"
+            )
+        if len(key_path) >= MAX_DEPTH:
+            return f"{dotted}: nested more than {MAX_DEPTH} levels deep; no setting needs that"
+        inner = ancestors | {id(value)}
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        stack.extend((child, (*key_path, key), inner) for key, child in items)
+    return None
 
 
 @cache
@@ -111,6 +238,35 @@ def _record_origins(data: Any, origin: str, prefix: tuple, origins: dict[tuple, 
             _record_origins(value, origin, (*prefix, key), origins)
 
 
+GROUP_KEYS = ("vars", "hosts", "children")
+
+
+def _did_you_mean(key: Any, known: list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(key), list(known), n=1)
+    return f"did you mean `{close[0]}`?" if close else f"known keys: {', '.join(known)}"
+
+
+def _document_problem(path: Path, document: Any) -> str | None:
+    """The top level of an inventory is one mapping, `all:`, holding a group."""
+    layout = "(Ansible YAML inventory layout: all: children: GROUP: hosts: NAME: settings)"
+    if document is None:
+        return f"{path}: the file is empty; write `all:` with `children:` and/or `hosts:` {layout}"
+    if not isinstance(document, dict):
+        return (
+            f"{path}: the top level is {_json_type(document)}; it must be a mapping with one key, "
+            f"`all:`, holding `children:` and/or `hosts:` {layout}"
+        )
+    if "all" not in document:
+        keys = ", ".join(f"`{key}`" for key in document)
+        hint = _did_you_mean(next(iter(document)), ["all"]) if document else ""
+        hint = f" ({hint})" if hint.startswith("did") else ""
+        return (
+            f"{path}: the top level has {keys or 'no keys'} but no `all:`{hint}; put every "
+            f"group under `all: children:` {layout}"
+        )
+    return None
+
+
 def load_inventory(path: Path | None = None) -> Inventory:
     """Load, merge and validate every host of an inventory file.
 
@@ -118,58 +274,111 @@ def load_inventory(path: Path | None = None) -> Inventory:
     """
     path = path or inventory_path()
     document = load_yaml(path)
-    problems: list[str] = []
-    if not isinstance(document, dict) or not isinstance(document.get("all"), dict):
-        raise ConfigError(
-            [
-                f"{path}: the top level must be `all:` with `children:` and/or `hosts:` "
-                "(Ansible YAML inventory layout)"
-            ]
+    problem = _document_problem(path, document)
+    if problem is None:
+        shape = _shape_problem(document)
+        problem = f"{path}: {shape}" if shape else None
+    if problem:
+        raise ConfigError([problem])
+    problems: list[str] = [
+        f"{path}: {key}: unknown top-level key; the file has one, `all:` (a group `{key}` goes "
+        f"under `all: children:`)"
+        for key in document
+        if key != "all"
+    ]
+    if not isinstance(document["all"], dict | None):
+        problems.append(
+            f"{path}: all: is {_json_type(document['all'])}; it must be a mapping of "
+            "`vars:`, `hosts:` and `children:`"
         )
+        raise ConfigError(problems)
 
     hosts: dict[str, HostConfig] = {}
     groups: dict[str, list[str]] = {}
+    defined: dict[str, str] = {}  # host name -> key path of the entry that gave its settings
     base_origins: dict[tuple, str] = {}
     defaults_name = str(DEFAULTS_PATH.relative_to(PROJECT_DIR))
     _record_origins(_defaults_cached(), defaults_name, (), base_origins)
 
-    def walk(group_name: str, node: Any, inherited: dict, origins: dict, key_path: str) -> None:
+    def mapping(node: Any, key_path: str, what: str) -> dict:
+        """``node`` as a mapping (null is empty); anything else is a problem, and empty."""
         if node is None:
-            node = {}
-        if not isinstance(node, dict):
-            problems.append(f"{path}: {key_path}: a group is a mapping of vars/hosts/children")
-            return
-        unknown = set(node) - {"vars", "hosts", "children"}
-        for key in sorted(unknown):
-            problems.append(
-                f"{path}: {key_path}.{key}: unknown group key; a group has `vars`, `hosts` and "
-                "`children` (host settings go under `hosts: NAME:` or `vars:`)"
-            )
-        group_vars = node.get("vars") or {}
-        if not isinstance(group_vars, dict):
-            problems.append(f"{path}: {key_path}.vars: must be a mapping of settings")
-            group_vars = {}
+            return {}
+        if isinstance(node, dict):
+            return node
+        problems.append(f"{path}: {key_path}: is {_json_type(node)}; it must be {what}")
+        return {}
+
+    def named(name: Any, key_path: str, what: str) -> bool:
+        if isinstance(name, str) and name:
+            return True
+        problems.append(
+            f"{path}: {key_path}: {what} {name!r} is {_json_type(name)}; a {what} is a "
+            f'non-empty string (quote it: "{name}")'
+        )
+        return False
+
+    def walk(group_name: str, node: Any, inherited: dict, origins: dict, key_path: str) -> None:
+        node = mapping(node, key_path, "a group: a mapping of `vars:`, `hosts:`, `children:`")
+        for key in node:
+            if key not in GROUP_KEYS:
+                hint = _did_you_mean(key, GROUP_KEYS)
+                problems.append(
+                    f"{path}: {key_path}.{key}: unknown group key; {hint} "
+                    "(a group has `vars`, `hosts` and `children`; host settings go under "
+                    "`hosts: NAME:` or `vars:`)"
+                )
+        group_vars = mapping(node.get("vars"), f"{key_path}.vars", "a mapping of settings")
         data = deep_merge(inherited, group_vars)
         group_origins = dict(origins)
         _record_origins(group_vars, str(path), (), group_origins)
         # Hosts directly under `all` form Ansible's implicit `ungrouped` group.
         members = groups.setdefault("ungrouped" if group_name == "all" else group_name, [])
-        for host_name, host_vars in (node.get("hosts") or {}).items():
-            host_vars = host_vars or {}
-            if not isinstance(host_vars, dict):
-                problems.append(f"{path}: hosts.{host_name}: must be a mapping of settings")
+        host_nodes = mapping(
+            node.get("hosts"),
+            f"{key_path}.hosts",
+            "a mapping of host names to their settings (`rig1:` or `rig1: {ssh: ...}`, "
+            "not a list `- rig1`)",
+        )
+        for host_name, host_vars in host_nodes.items():
+            entry = f"{key_path}.hosts.{host_name}"
+            if not named(host_name, entry, "host name"):
                 continue
+            if host_vars is not None and not isinstance(host_vars, dict):
+                problems.append(
+                    f"{path}: hosts.{host_name}: is {_json_type(host_vars)}; a host's settings "
+                    "are a mapping such as `ssh: {host: ...}` (or nothing)"
+                )
+                continue
+            host_vars = host_vars or {}
             members.append(host_name)
             if host_name in hosts:
                 hosts[host_name].groups.append(group_name)
+                if host_vars and host_name in defined:
+                    problems.append(
+                        f"{path}: {entry}: host `{host_name}` already has settings at "
+                        f"{defined[host_name]}; give them in one place (a second entry only "
+                        f"adds the host to this group: `{host_name}:` with nothing after it)"
+                    )
+                elif host_vars:
+                    defined[host_name] = entry
                 continue
+            if host_vars:
+                defined[host_name] = entry
             host_origins = dict(group_origins)
             _record_origins(host_vars, str(path), (), host_origins)
             hosts[host_name] = HostConfig(
                 host_name, [group_name], deep_merge(data, host_vars), host_origins
             )
-        for child_name, child in (node.get("children") or {}).items():
-            walk(child_name, child, data, group_origins, f"children.{child_name}")
+        children = mapping(
+            node.get("children"),
+            f"{key_path}.children",
+            "a mapping of group names to groups (`rigs:` with `hosts:` under it, not a list)",
+        )
+        for child_name, child in children.items():
+            child_path = f"{key_path}.children.{child_name}"
+            if named(child_name, child_path, "group name"):
+                walk(child_name, child, data, group_origins, child_path)
 
     walk("all", document["all"], _defaults_cached(), base_origins, "all")
     groups = {name: members for name, members in groups.items() if members}
@@ -177,27 +386,111 @@ def load_inventory(path: Path | None = None) -> Inventory:
         problems.append(f"{path}: no hosts defined (add `all: children: GROUP: hosts: NAME: ...`)")
     for host_config in hosts.values():
         problems.extend(validate_host(host_config))
+    if not problems:
+        problems.extend(_shared_machine_problems(list(hosts.values())))
     if problems:
         raise ConfigError(problems)
     return Inventory(path, hosts, groups)
 
 
-def validate_host(host_config: HostConfig) -> list[str]:
-    """Schema and cross-field checks of one host; returns the problems found."""
+def _machine(data: dict) -> tuple:
+    """What identifies the machine a host's settings reach: pyinfra's @local, or the SSH
+    address and port."""
+    ssh = data["ssh"]
+    if ssh.get("local"):
+        return ("@local",)
+    return (ssh["host"].lower().rstrip("."), ssh.get("port", 22))
+
+
+def _shared_machine_problems(host_configs: list[HostConfig]) -> list[str]:
+    """Hosts of one inventory that reach the same machine must not collide on it: one @local,
+    and per machine distinct server ports, unit names and environment files."""
     problems = []
-    validator = Draft202012Validator(schema())
-    errors = sorted(validator.iter_errors(host_config.data), key=lambda e: list(e.absolute_path))
-    for error in errors:
-        problems.append(_describe_schema_error(host_config, error))
-    if not problems:
-        problems.extend(
-            _located(host_config, key_path, message)
-            for key_path, message in semantic_problems(host_config.data)
-        )
+    by_machine: dict[tuple, list[HostConfig]] = {}
+    for host_config in host_configs:
+        by_machine.setdefault(_machine(host_config.data), []).append(host_config)
+    for machine, members in by_machine.items():
+        first = members[0]
+        if machine == ("@local",):
+            problems.extend(
+                _located(
+                    other,
+                    ("ssh", "local"),
+                    f"host `{first.name}` already converges this machine with `local: true` "
+                    "(pyinfra has one @local); keep one of them",
+                    in_inventory=True,
+                )
+                for other in members[1:]
+            )
+            continue
+        for key_path, what in (
+            (("server", "port"), "server.port"),
+            (("server", "service"), "server.service"),
+            (("paths", "env_file"), "paths.env_file"),
+        ):
+            owners: dict[Any, HostConfig] = {}
+            for host_config in members:
+                value = host_config.data[key_path[0]][key_path[1]]
+                if value in owners:
+                    problems.append(
+                        _located(
+                            host_config,
+                            key_path,
+                            f"{value} is also the {what} of host `{owners[value].name}`, which "
+                            f"is the same machine (ssh {machine[0]} port {machine[1]}); give "
+                            f"each host on one machine its own {what}",
+                            in_inventory=True,
+                        )
+                    )
+                else:
+                    owners[value] = host_config
     return problems
 
 
-def _origin_of(host_config: HostConfig, key_path: tuple) -> str:
+def _is_integer(checker, instance) -> bool:
+    # JSON Schema counts 8080.0 as an integer; a port, a size or a count written that way would
+    # reach command lines and URLs as "8080.0".
+    return isinstance(instance, int) and not isinstance(instance, bool)
+
+
+def _is_number(checker, instance) -> bool:
+    # .nan and .inf pass every minimum/maximum comparison; no setting means them.
+    if isinstance(instance, float):
+        return math.isfinite(instance)
+    return _is_integer(checker, instance)
+
+
+_RigValidator = validators.extend(
+    Draft202012Validator,
+    type_checker=Draft202012Validator.TYPE_CHECKER.redefine_many(
+        {"integer": _is_integer, "number": _is_number}
+    ),
+)
+
+
+def validate_host(host_config: HostConfig) -> list[str]:
+    """Schema and cross-field checks of one host; returns the problems found."""
+    problems = []
+    validator = _RigValidator(schema())
+    errors = sorted(validator.iter_errors(host_config.data), key=lambda e: _path_key(e.path))
+    for error in errors:
+        problems.extend(_describe_schema_error(host_config, error))
+    if not problems:
+        for key_path, message, *missing in semantic_problems(host_config.data):
+            problems.append(_located(host_config, key_path, message, in_inventory=bool(missing)))
+    return problems
+
+
+def _path_key(key_path) -> list[tuple[int, Any]]:
+    """A sort key for key paths that mix list indexes and mapping keys of any type."""
+    return [(0, part, "") if isinstance(part, int) else (1, 0, str(part)) for part in key_path]
+
+
+def _origin_of(host_config: HostConfig, key_path: tuple, in_inventory: bool = False) -> str:
+    """The file to fix: the one that set the key (or its nearest parent); ``in_inventory``:
+    the inventory, for what only it can fix (a missing setting, hosts that collide)."""
+    if in_inventory:
+        return host_config.origins.get((), "?")
     for length in range(len(key_path), -1, -1):
         origin = host_config.origins.get(tuple(key_path[:length]))
         if origin:
@@ -205,40 +498,98 @@ def _origin_of(host_config: HostConfig, key_path: tuple) -> str:
     return "?"
 
 
-def _located(host_config: HostConfig, key_path: tuple, message: str) -> str:
+def _located(
+    host_config: HostConfig, key_path: tuple, message: str, in_inventory: bool = False
+) -> str:
     dotted = ".".join(str(part) for part in key_path)
-    origin = _origin_of(host_config, key_path)
+    origin = _origin_of(host_config, key_path, in_inventory)
     return f"{origin}: hosts.{host_config.name}.{dotted}: {message}"
 
 
-def _describe_schema_error(host_config: HostConfig, error) -> str:
+# Values are shown as the YAML gave them, but never at length: a wrong value can be a whole
+# tree, and aliases can make it a large one.
+_repr = reprlib.Repr()
+_repr.maxlevel, _repr.maxstring, _repr.maxother = 3, 80, 80
+_repr.maxlist = _repr.maxdict = _repr.maxset = _repr.maxtuple = 6
+
+
+def _shown(value: Any) -> str:
+    return _repr.repr(value)
+
+
+def _expected(subschema: Any) -> str:
+    """What a schema asks for, in words: its description, else its type, values or form."""
+    if not isinstance(subschema, dict):
+        return ""
+    if subschema.get("description"):
+        return subschema["description"]
+    parts = []
+    if "enum" in subschema:
+        parts.append("one of " + ", ".join(map(str, subschema["enum"])))
+    if "type" in subschema:
+        types = subschema["type"] if isinstance(subschema["type"], list) else [subschema["type"]]
+        parts.append(" or ".join(f"{'an' if t[0] in 'aeiou' else 'a'} {t}" for t in types))
+    if "pattern" in subschema:
+        parts.append(f"matching {subschema['pattern']}")
+    if "minimum" in subschema:
+        parts.append(f"at least {subschema['minimum']}")
+    if "maximum" in subschema:
+        parts.append(f"at most {subschema['maximum']}")
+    return ", ".join(parts)
+
+
+def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
     key_path = tuple(error.absolute_path)
     if error.validator == "additionalProperties":
         allowed = sorted(error.schema.get("properties", {}))
-        extra = sorted(set(error.instance) - set(allowed))
+        extra = sorted(set(error.instance) - set(allowed), key=lambda key: (str(key), repr(key)))
         parts = []
         for key in extra:
-            close = difflib.get_close_matches(str(key), allowed, n=1)
-            hint = f"did you mean `{close[0]}`?" if close else f"known keys: {', '.join(allowed)}"
-            parts.append(_located(host_config, (*key_path, key), f"unknown key `{key}`; {hint}"))
-        return "\n".join(parts)
+            if isinstance(key, str):
+                hint = _did_you_mean(key, allowed)
+                wrong = f"unknown key `{key}`"
+            else:
+                hint = f"keys are names such as {', '.join(allowed[:3])}"
+                wrong = f"the key {_shown(key)} is {_json_type(key)}, not a name"
+            parts.append(_located(host_config, (*key_path, key), f"{wrong}; {hint}"))
+        return parts
     if error.validator == "required":
-        return _located(host_config, key_path, f"{error.message}; add it or remove the override")
+        missing = error.message.split("'")[1] if "'" in error.message else ""
+        fix = f"add `{missing}`" if missing else "add it"
+        return [_located(host_config, key_path, f"{error.message}; {fix}", in_inventory=True)]
+    if "propertyNames" in error.schema_path:
+        # The instance is the offending key itself: name it in the path.
+        name = error.instance
+        text = (
+            f"the name {_shown(name)} has the wrong form; expected a name {_expected(error.schema)}"
+        )
+        return [_located(host_config, (*key_path, name), text)]
     description = error.schema.get("description") if isinstance(error.schema, dict) else None
-    expected = description
+    expected = description or _expected(error.schema)
     if error.validator == "enum":
-        wrong = f"{error.instance!r} is not allowed"
-        expected = description or ", ".join(map(str, error.validator_value))
+        wrong = f"{_shown(error.instance)} is not allowed"
+        expected = description or "one of " + ", ".join(map(str, error.validator_value))
     elif error.validator == "type":
-        wrong = f"{error.instance!r} is {_json_type(error.instance)}"
+        if isinstance(error.instance, float) and not math.isfinite(error.instance):
+            wrong = f"{_shown(error.instance)} is not a finite number"
+        elif isinstance(error.instance, float) and "integer" in str(error.validator_value):
+            wrong = f"{_shown(error.instance)} is a number with a fraction, not a whole number"
+        else:
+            wrong = f"{_shown(error.instance)} is {_json_type(error.instance)}"
     elif error.validator == "pattern":
-        wrong = f"{error.instance!r} has the wrong form"
-    elif error.validator in ("minimum", "maximum", "minLength", "minItems"):
-        wrong = f"{error.instance!r} is out of range ({error.message})"
+        wrong = f"{_shown(error.instance)} has the wrong form"
+        if "{" in error.validator_value:  # a fixed length, such as a checksum's or a commit's
+            wrong += f" ({len(error.instance)} characters)"
+    elif error.validator in ("minimum", "exclusiveMinimum"):
+        wrong = f"{_shown(error.instance)} is out of range (below {error.validator_value})"
+    elif error.validator in ("maximum", "exclusiveMaximum"):
+        wrong = f"{_shown(error.instance)} is out of range (above {error.validator_value})"
+    elif error.validator in ("minLength", "minItems"):
+        wrong = f"{_shown(error.instance)} is empty"
     else:
-        wrong = f"{error.instance!r} is not valid"
+        wrong = f"{_shown(error.instance)} is not valid"
     text = f"{wrong}; expected {expected}" if expected else wrong
-    return _located(host_config, key_path, text)
+    return [_located(host_config, key_path, text)]
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
@@ -253,13 +604,30 @@ def _json_type(value: Any) -> str:
         list: "a list",
         dict: "a mapping",
         type(None): "null",
+        bytes: "binary data (!!binary)",
+        set: "a set (!!set)",
+        datetime.date: "a date (quote it to keep it as text)",
+        datetime.datetime: "a timestamp (quote it to keep it as text)",
     }
     return names.get(type(value), type(value).__name__)
 
 
-def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
-    """Cross-field rules the schema cannot state. Returns (key path, message) pairs."""
-    problems: list[tuple[tuple, str]] = []
+MISSING = "missing"  # third element of a semantic problem: blame the inventory, not a default
+
+# The largest `server.ctx`: 2**24 tokens, above the trained context of any model (the longest
+# published, Llama 4 Scout, claims 10M). Anything larger is a typo, and would be planned as such.
+MAX_CTX = 16_777_216
+
+# KV cache types the CUDA backend has a flash-attention kernel for at the pinned llama.cpp
+# (ggml_cuda_fattn_kv_type_supported in ggml-cuda/fattn.cu); f32 is converted to f16.
+CUDA_FA_KV_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
+UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
+
+
+def semantic_problems(data: dict) -> list[tuple]:
+    """Cross-field rules the schema cannot state. Returns (key path, message) pairs, with a
+    third element MISSING when the fix is to add a setting the defaults leave empty."""
+    problems: list[tuple] = []
     model, server, gpus = data["model"], data["server"], data["gpus"]
     backend = data["llama_cpp"]["backend"]
 
@@ -267,13 +635,49 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
     if not ssh.get("local") and not ssh.get("host"):
         problems.append(
             (
-                ("ssh",),
-                "needs `host` (and usually `port`, `user`, `key`, "
-                "`known_hosts`), or `local: true` to converge this machine",
+                ("ssh", "host"),
+                "is missing: give the address sshd listens on (and usually `port`, `user`, "
+                "`key`, `known_hosts`), or set `ssh.local: true` to converge this machine",
+                MISSING,
+            )
+        )
+    if ssh.get("local") and ssh.get("host"):
+        problems.append(
+            (
+                ("ssh", "local"),
+                "`local: true` converges this machine, yet `host` names another; "
+                "remove one of them",
+            )
+        )
+    if not ssh.get("local") and ssh.get("host") and server["port"] == ssh.get("port", 22):
+        problems.append(
+            (
+                ("server", "port"),
+                f"{server['port']} is also the host's SSH port (ssh.port); llama-server cannot "
+                "bind the port sshd listens on: pick another, such as 8080",
             )
         )
 
-    if bool(model["url"]) == bool(model["path"]):
+    if server["port"] < 1024 and server.get("supervisor", "systemd") == "systemd":
+        problems.append(
+            (
+                ("server", "port"),
+                f"{server['port']} is a privileged port, and the unit runs llama-server as an "
+                "unprivileged dynamic user without CAP_NET_BIND_SERVICE, so it cannot bind it; "
+                "use a port from 1024 up, such as 8080 (put a reverse proxy in front for 80/443)",
+            )
+        )
+
+    if not model["url"] and not model["path"]:
+        problems.append(
+            (
+                ("model",),
+                "has neither `url` nor `path`: set `url` (download, with `sha256`) or `path` "
+                "(a file already on the host)",
+                MISSING,
+            )
+        )
+    elif model["url"] and model["path"]:
         problems.append(
             (
                 ("model",),
@@ -286,6 +690,7 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
                 ("model", "sha256"),
                 "is required with `url`: a download is only used "
                 "when its checksum matches (sha256sum FILE prints it)",
+                MISSING,
             )
         )
     if model["url"] and not model["filename"] and not model_filename(data).endswith(".gguf"):
@@ -294,6 +699,7 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
                 ("model", "filename"),
                 "cannot be taken from the URL (it does not end "
                 "in .gguf); set `filename: NAME.gguf`",
+                MISSING,
             )
         )
 
@@ -324,6 +730,7 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
                 "exits at load (LLAMA_SPLIT_MODE_TENSOR needs >= 1 devices); use `none`",
             )
         )
+    problems += _kv_problems(server, split_mode, backend)
     split = server["tensor_split"]
     if isinstance(split, list):
         if not any(split):
@@ -332,7 +739,7 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
             problems.append(
                 (
                     ("server", "tensor_split"),
-                    f"has {len(split)} entries for "
+                    f"has {len(split)} {'entry' if len(split) == 1 else 'entries'} for "
                     f"{len(gpus)} declared GPUs; give one share per GPU, in `gpus` order",
                 )
             )
@@ -354,8 +761,8 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
             )
         )
     if server["api_key_file"]:
-        key_file = os.path.expanduser(server["api_key_file"])
-        if not os.path.isfile(key_file) or not Path(key_file).read_text().strip():
+        key_file = expand_path(server["api_key_file"])
+        if not _key_file_text(key_file).strip():
             problems.append(
                 (
                     ("server", "api_key_file"),
@@ -407,6 +814,164 @@ def semantic_problems(data: dict) -> list[tuple[tuple, str]]:
                     "(a build host's own GPUs are not the target's)",
                 )
             )
+        problems += _version_problems(data)
+    problems += _gpu_list_problems(gpus)
+    problems += _control_character_problems(data)
+    return problems
+
+
+def _control_character_problems(data: Any, key_path: tuple = ()) -> list[tuple]:
+    """Settings are one line of plain text: a newline or NUL in an address, a path or an
+    argument would end up in an ssh_config, a unit or an environment file as a line of its
+    own. Only `server.chat_template_kwargs`, passed as JSON, may hold any text."""
+    if key_path == ("server", "chat_template_kwargs"):
+        return []
+    if isinstance(data, str):
+        bad = [ch for ch in data if unicodedata.category(ch) == "Cc"]
+        if bad:
+            return [
+                (
+                    key_path,
+                    f"{_shown(data)} contains the control character {ascii(bad[0])}; a setting "
+                    "is one line of plain text: remove it",
+                )
+            ]
+        return []
+    if not isinstance(data, dict | list):
+        return []
+    items = data.items() if isinstance(data, dict) else enumerate(data)
+    problems = []
+    for key, value in items:
+        if isinstance(key, str) and any(unicodedata.category(ch) == "Cc" for ch in key):
+            problems.append(((*key_path, key), "the key's name contains a control character"))
+        problems += _control_character_problems(value, (*key_path, key))
+    return problems
+
+
+def _kv_problems(server: dict, split_mode: str, backend: str) -> list[tuple]:
+    """KV cache types llama.cpp refuses with these attention and split settings."""
+    problems: list[tuple] = []
+    type_v = server["cache_type_v"]
+    if type_v not in UNQUANTIZED_KV_TYPES and server["flash_attn"] == "off":
+        problems.append(
+            (
+                ("server", "cache_type_v"),
+                f"`{type_v}` is a quantized V cache, which llama.cpp refuses without flash "
+                "attention (`quantized V cache requires flash_attn`), and `flash_attn` is "
+                "`off`; set `flash_attn: auto` or a V type of f16, bf16 or f32",
+            )
+        )
+    if split_mode == "tensor" and backend == "cuda":
+        for key in ("cache_type_k", "cache_type_v"):
+            if server[key] not in CUDA_FA_KV_TYPES:
+                problems.append(
+                    (
+                        ("server", key),
+                        f"`{server[key]}` has no CUDA flash-attention kernel at the pinned "
+                        "llama.cpp, and `split_mode: tensor` forces flash attention on the GPUs; "
+                        f"use one of {', '.join(CUDA_FA_KV_TYPES[1:])} (q8_0 halves the KV)",
+                    )
+                )
+    return problems
+
+
+def _version_problems(data: dict) -> list[tuple]:
+    """Toolkit and driver choices that cannot serve the declared GPUs (the plan checks the
+    probed GPUs and the installed driver the same way, through hardware.check_versions)."""
+    problems: list[tuple] = []
+    capabilities = sorted(
+        {g["compute_capability"] for g in data["gpus"]}, key=hardware.parse_version
+    )
+    names = {g["compute_capability"]: g["name"] for g in data["gpus"]}
+    cuda, driver = data["cuda"], data["driver"]
+    if cuda["source"] != "none":
+        version = hardware.parse_version(cuda["version"])
+        for cc in capabilities:
+            floor = hardware.ARCHITECTURE_FLOORS.get(cc)
+            if floor and version < hardware.parse_version(floor.first_cuda):
+                problems.append(
+                    (
+                        ("cuda", "version"),
+                        f'"{cuda["version"]}" cannot build for {names[cc]} (compute {cc}, '
+                        f"{floor.family}): it needs CUDA {floor.first_cuda} or newer; set "
+                        f'`cuda.version: "{floor.first_cuda}"` or newer',
+                    )
+                )
+        old = [
+            cc
+            for cc in capabilities
+            if hardware.parse_version(cc) < hardware.parse_version(hardware.CUDA13_MIN_CAPABILITY)
+        ]
+        if version >= hardware.parse_version("13.0") and old:
+            problems.append(
+                (
+                    ("cuda", "version"),
+                    f'"{cuda["version"]}" dropped compute capability below '
+                    f"{hardware.CUDA13_MIN_CAPABILITY} ({', '.join(names[cc] for cc in old)}); "
+                    'set `cuda.version: "12.9"`',
+                )
+            )
+    blackwell = [names[cc] for cc in capabilities if hardware.is_blackwell(cc)]
+    if blackwell and driver["source"] != "none" and not driver["open"]:
+        problems.append(
+            (
+                ("driver", "open"),
+                f"`false` cannot drive {', '.join(blackwell)}: Blackwell works only with the "
+                "open kernel modules; set `driver.open: true`",
+            )
+        )
+    pre_turing = [
+        names[cc]
+        for cc in capabilities
+        if hardware.parse_version(cc) < hardware.parse_version(hardware.OPEN_MODULES_MIN_CAPABILITY)
+    ]
+    if pre_turing and driver["source"] != "none" and driver["open"]:
+        problems.append(
+            (
+                ("driver", "open"),
+                f"`true` (the open kernel modules) needs Turing (7.5) or newer, not "
+                f"{', '.join(pre_turing)}; set `driver.open: false` (the proprietary modules)",
+            )
+        )
+    if blackwell and driver["source"] == "distro":
+        problems.append(
+            (
+                ("driver", "source"),
+                f"{hardware.DISTRO_DRIVER_NOTE} cannot drive {', '.join(blackwell)} (Blackwell "
+                "needs >= 570.26 with open modules); set `driver.source: nvidia-repo`",
+            )
+        )
+    if blackwell and cuda["source"] == "distro":
+        problems.append(
+            (
+                ("cuda", "source"),
+                f"{hardware.DISTRO_TOOLKIT_NOTE} cannot build for {', '.join(blackwell)} "
+                "(Blackwell needs CUDA >= 12.8); set `cuda.source: nvidia-repo`",
+            )
+        )
+    return problems
+
+
+def _gpu_list_problems(gpus: list[dict]) -> list[tuple]:
+    problems: list[tuple] = []
+    seen: dict[str, int] = {}
+    for index, gpu in enumerate(gpus):
+        bus_id = gpu.get("pci_bus_id")
+        if bus_id is None:
+            continue
+        # 0000:01:00.0, 00000000:01:00.0 and 01:00.0 are the same slot.
+        slot = bus_id.lower().rsplit(":", 2)
+        slot = ":".join([slot[0].lstrip("0") if len(slot) == 3 else "", *slot[-2:]])
+        if slot in seen:
+            problems.append(
+                (
+                    ("gpus", index, "pci_bus_id"),
+                    f"{bus_id} is also the bus id of gpus.{seen[slot]}; each GPU has its own "
+                    "(nvidia-smi --query-gpu=pci.bus_id --format=csv lists them)",
+                )
+            )
+        else:
+            seen[slot] = index
     return problems
 
 
@@ -419,6 +984,32 @@ def model_filename(data: dict) -> str:
     return source.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
 
 
+def expand_path(path: str) -> str:
+    """``~`` and ``~user`` expanded; a path that cannot be (an unknown user) is kept as given."""
+    try:
+        return os.path.expanduser(path)
+    except (ValueError, KeyError, OSError):
+        return path
+
+
+def _key_file_text(path: str) -> str:
+    """The start of a local key file, or "" when it is missing, unreadable or not a file."""
+    try:
+        if not os.path.isfile(path):
+            return ""
+        with open(path, encoding="utf-8", errors="replace") as key_file:
+            return key_file.read(65536)
+    except (OSError, ValueError):
+        return ""
+
+
+def strict_host_key_checking(ssh: dict) -> str:
+    """OpenSSH's ``StrictHostKeyChecking`` value for a host's `ssh` settings, which pyinfra's
+    ``ssh_strict_host_key_checking`` takes too: ``yes``, unless the user opted in to
+    ``host_key_checking: accept-new`` (any other value stays strict)."""
+    return "accept-new" if ssh.get("host_key_checking") == "accept-new" else "yes"
+
+
 def pyinfra_host(host_config: HostConfig) -> tuple[str, dict]:
     """The (name, data) pair pyinfra's inventory expects, with SSH settings mapped."""
     data = copy.deepcopy(host_config.data)
@@ -428,34 +1019,90 @@ def pyinfra_host(host_config: HostConfig) -> tuple[str, dict]:
     connection = {
         "ssh_hostname": ssh["host"],
         "ssh_port": ssh.get("port", 22),
-        # Host keys are always checked: a rig holds API keys and model files.
-        "ssh_strict_host_key_checking": "yes",
+        # Host keys are always checked: a rig holds API keys and model files. pyinfra's own
+        # default is accept-new; only the user's `ssh.host_key_checking` chooses it here.
+        "ssh_strict_host_key_checking": strict_host_key_checking(ssh),
     }
     if "user" in ssh:
         connection["ssh_user"] = ssh["user"]
     if "key" in ssh:
-        connection["ssh_key"] = os.path.expanduser(ssh["key"])
+        connection["ssh_key"] = expand_path(ssh["key"])
     if "known_hosts" in ssh:
-        connection["ssh_known_hosts_file"] = os.path.expanduser(ssh["known_hosts"])
+        connection["ssh_known_hosts_file"] = expand_path(ssh["known_hosts"])
     return host_config.name, {**data, **connection}
 
 
+def _host_key_known(known_hosts: str, host: str, port: int) -> bool | None:
+    """Whether ``known_hosts`` holds a key for host:port, looked up as pyinfra (paramiko) will:
+    the name ``host`` or ``[host]:port``, hashed entries included, after ~/.ssh/config's
+    ``HostName``. None when that cannot be told for sure (an unreadable file, @cert-authority
+    or @revoked lines, an ssh config with Include), so that nothing is refused on a guess."""
+    import paramiko
+
+    try:
+        text = Path(known_hosts).read_text(encoding="utf-8", errors="replace")
+        if any(line.lstrip().startswith("@") for line in text.splitlines()):
+            return None
+        config = Path(os.path.expanduser("~/.ssh/config"))
+        if config.is_file():
+            config_text = config.read_text(encoding="utf-8", errors="replace")
+            if "include" in config_text.lower():
+                return None
+            host = paramiko.SSHConfig.from_text(config_text).lookup(host).get("hostname", host)
+        keys = paramiko.HostKeys()
+        keys.load(known_hosts)
+    except Exception:  # any doubt: leave the verdict to the connection
+        return None
+    return keys.lookup(host if port == 22 else f"[{host}]:{port}") is not None
+
+
 def connection_problems(inventory: Inventory) -> list[str]:
-    """Files named in `ssh` that this machine must have before pyinfra connects."""
+    """What this machine must have before pyinfra connects: the files named in `ssh`, and with
+    strict host-key checking, the host's key in the `known_hosts` file."""
     problems = []
     for host_config in inventory.hosts.values():
         ssh = host_config.data.get("ssh") or {}
+        accept_new = strict_host_key_checking(ssh) == "accept-new"
+        sandbox = " or run `llamarig sandbox up`"
         for key, what in (("key", "private key"), ("known_hosts", "known_hosts file")):
-            if key in ssh and not os.path.isfile(os.path.expanduser(ssh[key])):
-                problems.append(
-                    _located(
-                        host_config,
-                        ("ssh", key),
-                        f"the {what} {ssh[key]} does not exist "
-                        "on this machine; fix the path"
-                        + (" or run `llamarig sandbox up`" if "llamarig" in ssh[key] else ""),
-                    )
+            if key not in ssh:
+                continue
+            path = expand_path(ssh[key])
+            if os.path.isfile(path):
+                continue
+            if key == "known_hosts" and accept_new and os.path.isdir(os.path.dirname(path) or "."):
+                continue  # accept-new creates it on first contact
+            problems.append(
+                _located(
+                    host_config,
+                    ("ssh", key),
+                    f"the {what} {ssh[key]} does not exist on this machine; fix the path"
+                    + (sandbox if "llamarig" in ssh[key] else "")
+                    + (
+                        " (or, to enroll a new box, create its directory and set "
+                        "`ssh.host_key_checking: accept-new` for the first run)"
+                        if key == "known_hosts"
+                        else ""
+                    ),
                 )
+            )
+        known_hosts = ssh.get("known_hosts")
+        if ssh.get("local") or accept_new or not known_hosts or not ssh.get("host"):
+            continue
+        path = expand_path(known_hosts)
+        port = ssh.get("port", 22)
+        if os.path.isfile(path) and _host_key_known(path, ssh["host"], port) is False:
+            name = ssh["host"] if port == 22 else f"[{ssh['host']}]:{port}"
+            problems.append(
+                _located(
+                    host_config,
+                    ("ssh", "known_hosts"),
+                    f"{known_hosts} has no key for {name}, and host keys are checked strictly: "
+                    "add the box's key first (README, Enrolling a new box: `ssh-keyscan` it and "
+                    "compare the fingerprint with the box's console), or set "
+                    "`ssh.host_key_checking: accept-new` for the first run",
+                )
+            )
     return problems
 
 

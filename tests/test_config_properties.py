@@ -1,0 +1,253 @@
+"""Property-based: the loader never crashes. Whatever an inventory file holds - a schema-valid
+host from hypothesis-jsonschema, nested junk where groups, hosts, vars and settings go, a valid
+host with junk at known key paths, random text or bytes - loading it either succeeds or raises
+ConfigError with non-empty problems; no other exception, ever. What loads also maps to pyinfra
+hosts and passes through the pre-connection checks without an exception.
+
+EXAMPLES examples per property, derandomized (the same examples on every run, so CI is
+reproducible), without a deadline (a slow CI machine must not fail a property)."""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from hypothesis_jsonschema import from_schema
+from jsonschema import Draft202012Validator
+
+from llamarig.config import (
+    ConfigError,
+    connection_problems,
+    load_inventory,
+    pyinfra_host,
+    rig_data,
+    schema,
+)
+
+EXAMPLES = 250
+PROPERTY = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
+)
+
+VALID_HOST = {
+    "ssh": {"host": "192.0.2.1", "user": "root"},
+    "gpus": [
+        {"name": "NVIDIA GeForce RTX 3090", "vram_mib": 24576, "compute_capability": "8.6"},
+        {"name": "NVIDIA GeForce RTX 5080", "vram_mib": 16303, "compute_capability": "12.0"},
+    ],
+    "model": {"url": "https://example.org/m.gguf", "sha256": "a" * 64},
+    "server": {"split_mode": "tensor", "tensor_split": [2, 3], "cache_type_k": "q8_0"},
+}
+
+
+def _schema_paths(node: dict, prefix: tuple = ()) -> list[tuple]:
+    """Every key path the schema names (``("server", "spec", "type")``, ...)."""
+    paths = []
+    for key, sub in node.get("properties", {}).items():
+        paths.append((*prefix, key))
+        paths += _schema_paths(sub, (*prefix, key))
+    return paths
+
+
+SCHEMA_PATHS = _schema_paths(schema())
+KNOWN_KEYS = sorted({part for path in SCHEMA_PATHS for part in path} | {"all", "rig1", "local"})
+
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats()
+    | st.text(max_size=16)
+    | st.sampled_from(["auto", "0.0.0.0", "~", "/", "12.0", "q8_0", "tensor", "", "ssh"])
+)
+keys = st.sampled_from(KNOWN_KEYS) | st.text(max_size=10) | st.integers() | st.booleans()
+junk = st.recursive(
+    scalars,
+    lambda inner: (
+        st.lists(inner, max_size=4)
+        | st.dictionaries(keys | st.sampled_from(["hosts", "vars", "children"]), inner, max_size=4)
+    ),
+    max_leaves=24,
+)
+
+
+@pytest.fixture(scope="module")
+def scratch():
+    with tempfile.TemporaryDirectory(prefix="llamarig-props-") as directory:
+        yield Path(directory)
+
+
+def write_yaml(directory: Path, document: Any) -> Path:
+    path = directory / "rig.yml"
+    path.write_text(yaml.safe_dump(document, sort_keys=False, allow_unicode=True))
+    return path
+
+
+def loads_or_refuses(path: Path) -> None:
+    """The property: ConfigError with problems, or an inventory that maps to pyinfra hosts."""
+    try:
+        inventory = load_inventory(path)
+    except ConfigError as error:
+        assert error.problems, "ConfigError without problems"
+        assert all(isinstance(p, str) and p.strip() for p in error.problems), error.problems
+        event("refused")
+        return
+    event("loaded")
+    for host_config in inventory.hosts.values():
+        pyinfra_host(host_config)
+    connection_problems(inventory)
+
+
+def _bounded(node: Any) -> Any:
+    """The schema with every list, open mapping and free string capped at a few entries or
+    characters: what it accepts, the real schema accepts too, and drawing it is cheaper."""
+    if isinstance(node, list):
+        return [_bounded(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    bounded = {key: _bounded(value) for key, value in node.items()}
+    types = node.get("type", [])
+    types = types if isinstance(types, list) else [types]
+    if "array" in types:
+        bounded.setdefault("maxItems", 3)
+    if "object" in types and node.get("additionalProperties") is not False:
+        bounded.setdefault("maxProperties", 3)
+    if "string" in types and "pattern" not in node:
+        bounded.setdefault("maxLength", 24)
+    return bounded
+
+
+def _printable(value: Any) -> Any:
+    """``value`` with control characters taken out of its strings (refused in any setting)."""
+    if isinstance(value, str):
+        return "".join(ch for ch in value if unicodedata.category(ch) != "Cc")
+    if isinstance(value, list):
+        return [_printable(item) for item in value]
+    if isinstance(value, dict):
+        return {_printable(key): _printable(item) for key, item in value.items()}
+    return value
+
+
+# A schema-valid host, drawn section by section: the top level only requires its sections and
+# allows no others, so a mapping of valid sections is a valid instance, and hypothesis-jsonschema
+# builds the strategy of each section once instead of on every draw.
+GENERATION_SCHEMA = _bounded(schema())
+VALID_INSTANCES = st.fixed_dictionaries(
+    {
+        key: from_schema({**section, "$defs": GENERATION_SCHEMA["$defs"]})
+        for key, section in GENERATION_SCHEMA["properties"].items()
+    }
+)
+
+
+@PROPERTY
+@given(host=VALID_INSTANCES, where=st.sampled_from(["host", "vars"]), fix=st.booleans())
+def test_schema_valid_hosts_load_or_are_refused(scratch, host, where, fix):
+    Draft202012Validator(schema()).validate(host)
+    if fix:  # settle what the cross-field rules check, so that some hosts load and map
+        host = _printable(host)
+        host["ssh"] = {**host["ssh"], "host": "192.0.2.1", "local": False}
+        host["model"] = {**host["model"], "url": None, "path": "/srv/m.gguf"}
+        host["llama_cpp"]["backend"] = "cpu"
+        host["server"].update(
+            host="127.0.0.1", port=8080, api_key_file=None, split_mode="none",
+            tensor_split=None, ctx=4096, flash_attn="auto", spec={"type": [], "draft_max": None},
+        )  # fmt: skip
+    group = {"hosts": {"rig1": host}} if where == "host" else {"vars": host, "hosts": {"rig1": {}}}
+    loads_or_refuses(write_yaml(scratch, {"all": {"children": {"rigs": group}}}))
+
+
+PLACES = [
+    lambda j: j,
+    lambda j: {"all": j},
+    lambda j: {"all": {"hosts": j}},
+    lambda j: {"all": {"children": j}},
+    lambda j: {"all": {"vars": j, "hosts": {"rig1": VALID_HOST}}},
+    lambda j: {"all": {"children": {"rigs": {"hosts": {"rig1": j}}}}},
+    lambda j: {"all": {"children": {"rigs": {"vars": j, "hosts": {"rig1": None}}}}},
+    lambda j: {"all": {"children": {"rigs": j}}},
+]
+
+
+@PROPERTY
+@given(value=junk, place=st.sampled_from(range(len(PLACES))))
+def test_junk_anywhere_loads_or_is_refused(scratch, value, place):
+    loads_or_refuses(write_yaml(scratch, PLACES[place](value)))
+
+
+def _set(data: dict, path: tuple, value: Any) -> None:
+    node = data
+    for key in path[:-1]:
+        if not isinstance(node.get(key), dict):
+            node[key] = {}
+        node = node[key]
+    if value is _set:
+        node.pop(path[-1], None)
+    else:
+        node[path[-1]] = value
+
+
+@PROPERTY
+@given(
+    changes=st.lists(
+        st.tuples(st.sampled_from(SCHEMA_PATHS), junk | st.just(_set)), min_size=1, max_size=4
+    ),
+    hosts=st.integers(min_value=1, max_value=3),
+)
+def test_valid_host_with_junk_at_known_keys_loads_or_is_refused(scratch, changes, hosts):
+    host = copy.deepcopy(VALID_HOST)
+    for path, value in changes:
+        _set(host, path, value)
+    # Several hosts with the same settings are also the same machine: the cross-host rules run.
+    members = {f"rig{index}": copy.deepcopy(host) for index in range(1, hosts + 1)}
+    loads_or_refuses(write_yaml(scratch, {"all": {"children": {"rigs": {"hosts": members}}}}))
+
+
+@PROPERTY
+@given(host_data=st.dictionaries(st.sampled_from(KNOWN_KEYS) | keys, junk, max_size=8))
+def test_rig_data_validates_or_refuses(host_data):
+    """The deploy's own check of pyinfra host data (stage.py, without inventory.py)."""
+    try:
+        rig_data(host_data)
+    except ConfigError as error:
+        assert error.problems
+
+
+YAML_PIECES = [
+    "all:", "hosts:", "children:", "vars:", "rig1:", "server:", "ctx:", "port:", "ssh:",
+    "\n", "\n  ", "\n    ", "  ", "\t", "- ", "{", "}", "[", "]", ", ", ": ", "'", '"', "#",
+    "&a ", "*a", "<<: *a", "!!int ", "!!float ", "!!binary ", "!!set ", "!!python/object ",
+    "? ", "|", ">", "---\n", "...\n", "%YAML 1.1\n", "2024-13-45", "0x1F", "1e400", ".nan",
+    "~", "null", "yes", "off", "12.0", "\\u0000", "\x85", "\ufeff", "\x00", "é",
+]  # fmt: skip
+
+
+@PROPERTY
+@given(
+    content=st.text(max_size=200)
+    | st.binary(max_size=200)
+    | st.lists(st.sampled_from(YAML_PIECES), max_size=40).map("".join)
+)
+def test_any_file_content_loads_or_is_refused(scratch, content):
+    path = scratch / "rig.yml"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8", errors="surrogatepass")
+    loads_or_refuses(path)
