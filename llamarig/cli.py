@@ -30,6 +30,26 @@ def _probe(data: dict) -> tuple[list[dict] | None, str, str | None]:
     return gpus or None, "PCI ids", None
 
 
+def host_header(data: dict, model: str | None = None, contact: bool = False):
+    """The model's GGUF header: ``model`` (a local copy), the model URL, else the file on the
+    host (read in place on a local host; over SSH only when ``contact`` allows it)."""
+    from llamarig.facts import FileHead
+    from llamarig.gguf_header import GgufError, read_gguf_header
+    from llamarig.stage import HOST_HEADER_READ
+
+    header, note = load_header(data, model)
+    if header is not None or not (contact or data["ssh"].get("local")):
+        return header, note
+    path = render.layout(data)["model"]
+    head = FileHead().process(_on_host(data, FileHead().command(path, HOST_HEADER_READ)).stdout)
+    if head is None:
+        return None, f"{note}; {path} is not on the host"
+    try:
+        return read_gguf_header(head, name=path), ""
+    except GgufError as error:
+        return None, f"{note}; {error}"
+
+
 def _on_host(data: dict, command: str) -> subprocess.CompletedProcess:
     argv = ["sh", "-c", command] if data["ssh"].get("local") else [*ssh_command(data), command]
     return subprocess.run(argv, capture_output=True, text=True, timeout=120)
@@ -48,7 +68,7 @@ def _plan(args: argparse.Namespace) -> int:
         probed, source, driver_version = _probe(data) if args.probe else (None, "probed", None)
         header, note = None, ""
         if data["llama_cpp"]["backend"] == "cuda":
-            header, note = load_header(data, args.model)
+            header, note = host_header(data, args.model, args.probe)
         plans[name] = plan_host(name, data, header, note, probed, source, driver_version)
     if args.json:
         print(json.dumps({"hosts": {n: p.to_json() for n, p in plans.items()}}, indent=2))
@@ -62,9 +82,13 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def ssh_command(data: dict) -> list[str]:
-    """An ssh command line for a host, with the same strict host-key checking as the deploy."""
+    """An ssh command line for a host, with the same host-key checking as the deploy: strict,
+    or accept-new where the user opted in (`ssh.host_key_checking`)."""
+    from llamarig.config import strict_host_key_checking
+
     ssh = data["ssh"]
-    command = ["ssh", "-o", "StrictHostKeyChecking=yes", "-o", "BatchMode=yes"]
+    checking = f"StrictHostKeyChecking={strict_host_key_checking(ssh)}"
+    command = ["ssh", "-o", checking, "-o", "BatchMode=yes"]
     if "known_hosts" in ssh:
         command += ["-o", f"UserKnownHostsFile={os.path.expanduser(ssh['known_hosts'])}"]
     if "key" in ssh:
@@ -116,6 +140,36 @@ def _verify(args: argparse.Namespace) -> int:
     return max(statuses, default=0)
 
 
+def _run(args: argparse.Namespace) -> int:
+    inventory = load_inventory()
+    names = [args.host] if args.host else list(inventory.hosts)
+    if len(names) != 1 or names[0] not in inventory.hosts:
+        print(
+            f"llamarig: name one host of {inventory.path} with --host "
+            f"({', '.join(inventory.hosts)})",
+            file=sys.stderr,
+        )
+        return 2
+    data = inventory.hosts[names[0]].data
+    launcher = [render.layout(data)["launcher"], *args.server_args]
+    if data["server"]["supervisor"] == "systemd":
+        print(
+            f"llamarig: running {launcher[0]} in the foreground; it cannot bind while the "
+            f"unit serves (systemctl stop {data['server']['service']} first)",
+            file=sys.stderr,
+        )
+    sys.stdout.flush()
+    if data["ssh"].get("local"):
+        if not os.access(launcher[0], os.X_OK):
+            print(f"llamarig: no launcher {launcher[0]}: run the deploy first", file=sys.stderr)
+            return 1
+        os.execv(launcher[0], launcher)
+    # -t: a terminal, so Ctrl-C stops the remote server too.
+    ssh = ssh_command(data)
+    os.execvp("ssh", [*ssh[:-1], "-t", ssh[-1], shlex.join(launcher)])
+    return 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -151,6 +205,17 @@ def main(argv: list[str] | None = None) -> int:
         "pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k service"
     )
 
+    run_parser = commands.add_parser(
+        "run",
+        help="start a host's llama-server in the foreground with the command line the deploy "
+        "planned (its launcher): for hosts without systemd (server.supervisor: none) and for "
+        "debugging; over SSH for remote hosts",
+    )
+    run_parser.add_argument("--host", help="the host (required when the inventory has several)")
+    run_parser.add_argument(
+        "server_args", nargs="*", help="more llama-server arguments (after --), e.g. -lv 4"
+    )
+
     commands.add_parser(
         "sandbox",
         help="the local sandbox rig: sandbox up|down|status (see `llamarig sandbox -h`)",
@@ -164,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         return sandbox.main(argv[1:])
     args = parser.parse_args(argv)
     try:
-        return {"plan": _plan, "complete": _complete, "verify": _verify}[args.command](args)
+        commands_by_name = {"plan": _plan, "complete": _complete, "verify": _verify, "run": _run}
+        return commands_by_name[args.command](args)
     except ConfigError as error:
         print("llamarig: the rig configuration is not valid:", file=sys.stderr)
         for problem in error.problems:

@@ -8,7 +8,7 @@ import shlex
 
 from pyinfra.api import FactBase
 
-from llamarig.render import CURL_AUTH
+from llamarig.render import BUILD_COMPLETE_MARKER, CURL_AUTH
 
 
 class NvidiaPciDevices(FactBase):
@@ -174,3 +174,87 @@ class FileHead(FactBase):
     def process(self, output):
         text = "".join(output).strip()
         return base64.b64decode(text) if text else None
+
+
+class MissingCommands(FactBase):
+    """The commands of ``commands`` that are not on the host's PATH.
+
+    .. code:: python
+
+        ["ninja"]
+    """
+
+    def command(self, commands: list[str]) -> str:
+        return (
+            "for c in "
+            + " ".join(shlex.quote(c) for c in commands)
+            + ('; do command -v "$c" >/dev/null 2>&1 || echo "$c"; done; true')
+        )
+
+    def process(self, output: list[str]) -> list[str]:
+        return [line.strip() for line in output if line.strip()]
+
+
+class BuildDirectories(FactBase):
+    """Build directories under ``path``, newest first (by their completion marker, else the
+    directory itself).
+
+    .. code:: python
+
+        ["0c1e57098bba-1a2b3c4d5e", "b8f2e1a0c9d7-5e4d3c2b1a"]
+    """
+
+    def command(self, path: str) -> str:
+        quoted = shlex.quote(path)
+        return (
+            f"[ -d {quoted} ] && for d in {quoted}/*/; do d=${{d%/}}; "
+            f'[ -d "$d" ] || continue; m="$d/{BUILD_COMPLETE_MARKER}"; [ -e "$m" ] || m="$d"; '
+            'echo "$(stat -c %Y "$m") ${d##*/}"; done | sort -rn; true'
+        )
+
+    def process(self, output: list[str]) -> list[str]:
+        return [line.split(" ", 1)[1] for line in output if " " in line.strip()]
+
+
+class RunningService(FactBase):
+    """What a systemd service's main process runs now, to tell whether it predates its inputs
+    (a run interrupted between writing the unit and restarting leaves exactly that). None when
+    the service has no main process.
+
+    .. code:: python
+
+        {"pid": 812, "exe": "/opt/llamarig/builds/0c1e57098bba-1a2b3c4d5e/bin/llama-server",
+         "started": 1764520000, "need_daemon_reload": False,
+         "cmdline": ["/opt/llamarig/current/bin/llama-server", "-m", "..."],
+         "environ": {"HOME": "/var/lib/llama-server"}, "model_mtime": 1764519000}
+    """
+
+    def command(self, service: str, model: str) -> str:
+        quoted = shlex.quote(service)
+        return (
+            f"pid=$(systemctl show -P MainPID {quoted} 2>/dev/null); "
+            '[ "${pid:-0}" -gt 0 ] 2>/dev/null || exit 0; '
+            f"echo $pid; systemctl show -P NeedDaemonReload {quoted}; "
+            'readlink "/proc/$pid/exe"; stat -c %Y "/proc/$pid"; '
+            'base64 -w0 "/proc/$pid/cmdline"; echo; base64 -w0 "/proc/$pid/environ"; echo; '
+            f"stat -c %Y {shlex.quote(model)} 2>/dev/null || echo 0"
+        )
+
+    def process(self, output: list[str]) -> dict | None:
+        lines = [line.strip() for line in output]
+        if len(lines) < 7:
+            return None
+        pid, reload, exe, started, cmdline, environ, model_mtime = lines[:7]
+
+        def nul_list(encoded: str) -> list[str]:
+            return [item for item in base64.b64decode(encoded).decode().split("\0") if item]
+
+        return {
+            "pid": int(pid),
+            "need_daemon_reload": reload == "yes",
+            "exe": exe,
+            "started": int(started),
+            "cmdline": nul_list(cmdline),
+            "environ": dict(item.split("=", 1) for item in nul_list(environ) if "=" in item),
+            "model_mtime": int(model_mtime),
+        }

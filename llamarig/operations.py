@@ -8,6 +8,7 @@ import json
 import re
 import shlex
 import time
+from pathlib import PurePosixPath
 
 from pyinfra import host
 from pyinfra.api import (
@@ -21,7 +22,7 @@ from pyinfra.facts.deb import DebPackages
 from pyinfra.facts.files import File, Sha256File
 from pyinfra.facts.git import GitLocalCommit
 
-from llamarig.facts import JsonFile
+from llamarig.facts import BuildDirectories, JsonFile
 from llamarig.render import CURL_AUTH
 
 
@@ -88,7 +89,8 @@ def cmake_build(
       (another commit, other options) hit the cache for unchanged sources
 
     A build that fails or is interrupted leaves no marker, so the next run builds again and
-    cmake resumes from the objects already compiled.
+    cmake resumes from the objects already compiled (after any compiler the interrupted run
+    left behind has finished: the build holds a lock on its directory).
 
     **Example:**
 
@@ -113,8 +115,11 @@ def cmake_build(
             environment += f"CCACHE_BASEDIR={shlex.quote(ccache_basedir)} CCACHE_NOHASHDIR=1 "
         yield f"mkdir -p {shlex.quote(ccache_dir)}"
     yield f"mkdir -p {shlex.quote(build_dir)}"
-    yield environment + shlex.join(configure)
-    yield environment + shlex.join(build)
+    # A run killed mid-build can leave its compiler running: the lock makes the next run wait
+    # for it instead of building into the same directory at the same time.
+    lock = f"flock {shlex.quote(build_dir + '/.llamarig-build.lock')} "
+    yield environment + lock + shlex.join(configure)
+    yield environment + lock + shlex.join(build)
     content = shlex.quote(json.dumps(manifest, indent=2, sort_keys=True))
     yield f"printf '%s\\n' {content} > {shlex.quote(marker)}"
 
@@ -146,20 +151,25 @@ def fetch_checked(url: str, dest: str, sha256: str):
         host.noop(f"{dest} matches its sha256")
         return
     part = shlex.quote(dest + ".part")
-    q_dest, q_url = shlex.quote(dest), shlex.quote(url)
-    # curl exits 33 when the server cannot resume; then start the part over.
-    yield (
-        f"curl -fsSL --retry 3 -C - -o {part} {q_url} || "
-        f"{{ rc=$?; [ $rc -eq 33 ] || exit $rc; rm -f {part}; "
-        f"curl -fsSL --retry 3 -o {part} {q_url}; }}"
-    )
-    yield (
-        f"actual=$(sha256sum {part} | cut -d' ' -f1); "
-        f'if [ "$actual" != {sha256} ]; then rm -f {part}; '
-        f'echo "sha256 mismatch for {url}: got $actual, expected {sha256};'
-        f' the download was discarded" >&2; exit 1; fi'
-    )
-    yield f"chmod 0644 {part} && mv -f {part} {q_dest}"
+    q_dest, q_url, q_lock = shlex.quote(dest), shlex.quote(url), shlex.quote(dest + ".lock")
+    yield f"""
+# One download at a time: a run killed mid-download can leave its curl running.
+exec 9>{q_lock}; flock 9
+if [ -f {part} ] && [ "$(sha256sum {part} | cut -d' ' -f1)" = {sha256} ]; then
+  echo "{dest}.part is complete"
+else
+  # curl exits 33 when the server cannot resume; then start the part over.
+  curl -fsSL --retry 3 -C - -o {part} {q_url} || {{
+    rc=$?; [ $rc -eq 33 ] || exit $rc; rm -f {part}; curl -fsSL --retry 3 -o {part} {q_url}; }}
+  actual=$(sha256sum {part} | cut -d' ' -f1)
+  if [ "$actual" != {sha256} ]; then
+    rm -f {part}
+    echo "sha256 mismatch for {url}: got $actual, expected {sha256}; the download was discarded" >&2
+    exit 1
+  fi
+fi
+chmod 0644 {part} && mv -f {part} {q_dest} && rm -f {q_lock}
+""".strip()
 
 
 @operation()
@@ -204,45 +214,141 @@ def fail(message: str):
     yield fail_command(message)
 
 
+def _serving_check(base_url: str, service: str, timeout: int) -> str:
+    """Shell function ``serving``: waits until the unit answers /health with 200 and serves a
+    4-token completion; returns 1 (with why in $why) when it crashes, or on timeout."""
+    quoted = shlex.quote(service)
+    return f"""
+serving() {{
+  deadline=$(( $(date +%s) + {int(timeout)} ))
+  until [ "$(curl -s -o /dev/null -w '%{{http_code}}' {base_url}/health)" = 200 ]; do
+    # A crash shows as `failed`, or as `auto-restart` while Restart= tries again.
+    case "$(systemctl show -P ActiveState {quoted})/$(systemctl show -P SubState {quoted})" in
+      failed/*|*/auto-restart) why="{service} exited while starting"; return 1 ;;
+    esac
+    if [ $(date +%s) -ge $deadline ]; then
+      why="{base_url}/health not ready after {int(timeout)} s"; return 1
+    fi
+    sleep 1
+  done
+  body='{{"prompt": "Hello", "n_predict": 4, "temperature": 0}}'
+  answer=$(curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d "$body" \
+    {base_url}/completion) || {{ why="{base_url}/completion failed"; return 1; }}
+  case "$answer" in *'"content"'*) ;; *) why="unexpected completion: $answer"; return 1 ;; esac
+}}
+"""
+
+
 @operation(is_idempotent=False)
-def wait_until_serving(base_url: str, service: str, timeout: int, completion: bool = True):
+def serve_or_roll_back(
+    base_url: str,
+    service: str,
+    timeout: int,
+    unit: str,
+    env_file: str,
+    current: str,
+    last_good: str,
+):
     """
-    Wait until llama-server answers ``/health`` with 200, then (optionally) serve one short
-    completion; on timeout or failure print the unit's last journal lines and fail.
+    Wait until a (re)started llama-server serves; if it does not, put the last version that
+    served back (unit, environment file and `current` link), restart it, confirm it serves, and
+    fail with the new version's last journal lines.
 
     + base_url: e.g. ``http://127.0.0.1:8080``
-    + service: systemd unit name, for the journal on failure
-    + timeout: seconds to wait for health
-    + completion: also require a 4-token completion to succeed
+    + service: systemd unit name (journal, restart)
+    + timeout: seconds the new version gets to answer /health
+    + unit, env_file, current: the unit file, its environment file and the `current` link
+    + last_good: directory holding copies of those three from the last version that served;
+      refreshed after every successful start
 
     Only call it when something was (re)started (guard it with ``_if=``): it always runs.
+
+    **Example:**
+
+    .. code:: python
+
+        serve_or_roll_back(
+            base_url="http://127.0.0.1:8080",
+            service="llama-server",
+            timeout=600,
+            unit="/etc/systemd/system/llama-server.service",
+            env_file="/etc/llamarig/llama-server.env",
+            current="/opt/llamarig/current",
+            last_good="/var/lib/llamarig/last-good",
+        )
     """
-    script = f"""
-deadline=$(( $(date +%s) + {int(timeout)} ))
-journal() {{ journalctl -u {shlex.quote(service)} -n 30 --no-pager -o cat >&2; }}
-until [ "$(curl -s -o /dev/null -w '%{{http_code}}' {base_url}/health)" = 200 ]; do
-  if ! systemctl is-active -q {shlex.quote(service)} && \
-     [ "$(systemctl show -P ActiveState {shlex.quote(service)})" = failed ]; then
-    echo "llamarig: {service} failed to start; its last journal lines:" >&2; journal; exit 1
-  fi
-  if [ $(date +%s) -ge $deadline ]; then
-    echo "llamarig: {base_url}/health not ready after {int(timeout)} s;" \
-      "last journal lines of {service}:" >&2; journal; exit 1
-  fi
-  sleep 1
-done
-"""
-    if completion:
-        script += f"""
-body='{{"prompt": "Hello", "n_predict": 4, "temperature": 0}}'
-answer=$(curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d "$body" \
-  {base_url}/completion) || {{
-  echo "llamarig: {base_url}/completion failed; last journal lines:" >&2; journal; exit 1; }}
-echo "$answer" | grep -q '"content"' || {{
-  echo "llamarig: unexpected completion answer: $answer" >&2; exit 1; }}
-echo "llamarig: {service} serves at {base_url}"
-"""
-    yield script.strip()
+    q_service, q_unit, q_env, q_current, q_good = (
+        shlex.quote(value) for value in (service, unit, env_file, current, last_good)
+    )
+    yield (
+        _serving_check(base_url, service, timeout)
+        + f"""
+if serving; then
+  mkdir -p {q_good}
+  cp {q_unit} {q_good}/unit.new && cp {q_env} {q_good}/env.new \
+    && readlink {q_current} > {q_good}/current.new \
+    && for f in unit env current; do mv {q_good}/$f.new {q_good}/$f; done
+  echo "llamarig: {service} serves at {base_url}"
+  exit 0
+fi
+echo "llamarig: the new version of {service} does not serve: $why. Its last journal lines:" >&2
+journalctl -u {q_service} -n 30 --no-pager -o cat >&2
+if [ ! -f {q_good}/current ]; then
+  echo "llamarig: no earlier version served on this host: nothing to roll back to" >&2
+  exit 1
+fi
+started=$(date +%s)
+cp {q_good}/unit {q_unit} && cp {q_good}/env {q_env} \
+  && ln -sfn "$(cat {q_good}/current)" {q_current}.new && mv -T {q_current}.new {q_current}
+systemctl daemon-reload
+systemctl reset-failed {q_service} 2>/dev/null || true
+systemctl restart {q_service}
+if serving; then
+  echo "llamarig: rolled back: the last version that served ($(cat {q_good}/current)) serves" \
+    "again after $(( $(date +%s) - started )) s; fix the rig data and deploy again" >&2
+else
+  echo "llamarig: the rollback does not serve either: $why" >&2
+fi
+exit 1
+""".rstrip()
+    )
+
+
+@operation()
+def prune_builds(builds: str, keep: int, current: str, last_good: str | None = None):
+    """
+    Keep the newest ``keep`` build directories: this run's build, the last one that served,
+    then the newest others; delete the rest.
+
+    + builds: the directory holding one directory per build
+    + keep: how many builds to keep (at least 1)
+    + current: this run's build (kept, and counted as the newest even before it exists)
+    + last_good: the build of the last version that served (kept for a rollback)
+
+    **Example:**
+
+    .. code:: python
+
+        prune_builds(
+            builds="/opt/llamarig/builds",
+            keep=2,
+            current="/opt/llamarig/builds/0c1e57098bba-1a2b3c4d5e",
+            last_good="/opt/llamarig/builds/9f8e7d6c5b4a-0a1b2c3d4e",
+        )
+    """
+    present = host.get_fact(BuildDirectories, path=builds)
+    kept = [PurePosixPath(current).name]
+    rollback_target = PurePosixPath(last_good).name if last_good else None
+    if rollback_target in present and rollback_target not in kept:
+        kept.append(rollback_target)
+    for name in present:  # newest first
+        if len(kept) >= keep:
+            break
+        if name not in kept:
+            kept.append(name)
+    for name in present:
+        if name not in kept:
+            yield f"rm -rf {shlex.quote(f'{builds}/{name}')}"
 
 
 def server_flags(args: list[str]) -> list[str]:

@@ -161,7 +161,11 @@ def compare_gpus(declared: list[dict], found: list[dict], where: str) -> list[st
         names = ", ".join(gpu["name"] for gpu in found) or "none"
         return [f"`gpus` declares {len(declared)} GPUs but {where} shows {len(found)}: {names}"]
     problems = []
-    by_bus = sorted(declared, key=lambda gpu: render.pci_sort_key(gpu.get("pci_bus_id", "")))
+    by_bus = (
+        sorted(declared, key=lambda gpu: render.pci_sort_key(gpu["pci_bus_id"]))
+        if all(gpu.get("pci_bus_id") for gpu in declared)
+        else list(declared)
+    )
     if not all(gpu.get("pci_bus_id") for gpu in declared):
         by_bus = declared
     found_by_bus = sorted(found, key=lambda gpu: render.pci_sort_key(gpu.get("bus_id", "")))

@@ -96,6 +96,9 @@ def layout(data: dict) -> dict[str, str]:
         "model": data["model"]["path"]
         or str(PurePosixPath(data["paths"]["models"]) / model_filename(data)),
         "unit": f"/etc/systemd/system/{data['server']['service']}.service",
+        "launcher": str(prefix / "bin" / data["server"]["service"]),
+        # Copies of unit, env file and `current` target of the last version that served.
+        "last_good": f"/var/lib/llamarig/last-good/{data['server']['service']}",
         "env_file": data["paths"]["env_file"],
     }
 
@@ -289,6 +292,56 @@ def unit_context(data: dict) -> dict:
 
 def render_unit(data: dict) -> str:
     return _templates().get_template("llama-server.service.j2").render(**unit_context(data))
+
+
+def unit_command_line(data: dict) -> list[str]:
+    """The command line the unit's main process runs (systemd expands %d, the credentials
+    directory, in the API key argument)."""
+    args = server_args(data)
+    if data["server"]["api_key_file"]:
+        args += ["--api-key-file", f"/run/credentials/{data['server']['service']}.service/api-key"]
+    return args
+
+
+def running_differs(data: dict, running: dict) -> list[str]:
+    """Why the running server is not what the rig data asks for (empty when it is): a run cut
+    short after writing the unit, the environment, the link or the model, before the restart."""
+    reasons = []
+    if running["cmdline"] != unit_command_line(data):
+        reasons.append("its command line differs from the unit's")
+    binary = f"{layout(data)['build']}/bin/llama-server"
+    if running["exe"] != binary:
+        reasons.append(f"it runs {running['exe']}, not {binary}")
+    environment = service_environment(data)
+    if any(running["environ"].get(key) != value for key, value in environment.items()):
+        reasons.append("its environment differs from the environment file")
+    if running["model_mtime"] > running["started"]:
+        reasons.append("the model file changed after it started")
+    if running["need_daemon_reload"]:
+        reasons.append("systemd has not loaded the current unit file")
+    return reasons
+
+
+def render_launcher(data: dict) -> str:
+    """The launcher script: the unit's command line and environment, run in the foreground.
+
+    `llamarig run` starts it where no systemd runs the server (a container) or to debug a rig;
+    it runs as the caller (root), without the unit's sandbox.
+    """
+    args = server_args(data)
+    if data["server"]["api_key_file"]:
+        args += ["--api-key-file", API_KEY_PATH]
+    environment = service_environment(data)
+    home = shlex.quote(environment["HOME"])
+    lines = [
+        "#!/bin/sh",
+        "# Managed by llamarig: the llama-server command line the deploy planned, as the unit",
+        "# runs it, in the foreground (`llamarig run`). Extra arguments are appended.",
+        *(f"export {key}={shlex.quote(value)}" for key, value in environment.items()),
+        f"mkdir -p {home} && cd {home} || exit 1",
+        f'exec {shlex.join(args)} "$@"',
+    ]
+    return "\n".join(lines) + "\n"
 
 
 def render_env_file(data: dict) -> str:

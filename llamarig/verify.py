@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from llamarig import PROJECT_DIR, render
-from llamarig.config import HostConfig
+from llamarig.config import HostConfig, strict_host_key_checking
 from llamarig.plan import plan_host
 
 SUITE = PROJECT_DIR / "tests" / "rig"
@@ -24,7 +24,8 @@ def ssh_config(name: str, ssh: dict) -> str:
         f"Host {name}",
         f"  HostName {ssh['host']}",
         f"  Port {ssh.get('port', 22)}",
-        "  StrictHostKeyChecking yes",
+        # yes, or accept-new where the user opted in (ssh.host_key_checking), as for pyinfra
+        f"  StrictHostKeyChecking {strict_host_key_checking(ssh)}",
         "  BatchMode yes",
     ]
     if "user" in ssh:
@@ -38,7 +39,13 @@ def ssh_config(name: str, ssh: dict) -> str:
 
 def expectations(host_config: HostConfig) -> dict:
     """What the suite checks the host against: the planned data and values derived from it."""
-    plan = plan_host(host_config.name, host_config.data, None)
+    from llamarig.cli import host_header
+
+    # The model header resolves `auto` context and split exactly as the deploy did.
+    header, note = (None, "")
+    if host_config.data["llama_cpp"]["backend"] == "cuda":
+        header, note = host_header(host_config.data, contact=True)
+    plan = plan_host(host_config.name, host_config.data, header, note)
     data = plan.resolved
     return {
         "name": host_config.name,

@@ -13,6 +13,8 @@ rig = stage.rig()
 
 if rig["driver"]["source"] == "none":
     host.noop("no NVIDIA driver wanted: kernel modules left as they are")
+elif not rig["kernel_modules"]["manage"]:
+    host.noop("kernel_modules.manage is false: modules, initramfs and reboots left to the host")
 else:
     blacklist = files.put(
         name="Blacklist nouveau, nova_core and nova",

@@ -15,10 +15,11 @@ pci_gpus = host.get_fact(NvidiaPciDevices)
 driver_gpus = host.get_fact(NvidiaSmiGpus)
 firmware = host.get_fact(FirmwareBoot)
 
-if rig["llama_cpp"]["backend"] == "cuda" and not pci_gpus:
+# A container may hide the PCI bus from sysfs while its driver answers: either is evidence.
+if rig["llama_cpp"]["backend"] == "cuda" and not pci_gpus and not driver_gpus:
     problems.append(
-        "no NVIDIA GPU on the PCI bus (sysfs vendor 0x10de); set llama_cpp.backend: cpu "
-        "and driver/cuda source: none for a CPU-only rig"
+        "no NVIDIA GPU on the PCI bus (sysfs vendor 0x10de) and no nvidia-smi answer; set "
+        "llama_cpp.backend: cpu and driver/cuda source: none for a CPU-only rig"
     )
 if problems:
     stage.refuse(problems)

@@ -80,7 +80,14 @@ if "distro" in sources and is_debian(distribution):
         )
     )
 
-if any(operation.will_change for operation in source_ops):
+apt_needed = (
+    "nvidia-repo" in sources
+    or "distro" in sources
+    or rig["llama_cpp"]["build_dependencies"] == "apt"
+)
+if not apt_needed:
+    host.noop("nothing to install with apt (preinstalled driver, toolkit and build tools)")
+elif any(operation.will_change for operation in source_ops):
     server.shell(
         name="Update apt lists (repositories changed)",
         # The stamp lets the next run's cache_time check see this update.

@@ -5,12 +5,13 @@ import os
 from io import StringIO
 
 from pyinfra import host
-from pyinfra.facts.files import File
+from pyinfra.facts.files import File, FileContents
 from pyinfra.operations import files, systemd
 from pyinfra.operations import server as server_ops
 from pyinfra.operations.util import any_changed
 
 from llamarig import operations, render, stage
+from llamarig.facts import RunningService
 
 # The plan's data: ctx and tensor_split resolved from the GPUs and the model header.
 rig = stage.plan().resolved
@@ -38,36 +39,84 @@ else:
     for path in (render.API_KEY_PATH, render.API_KEY_HEADER_PATH):
         files.file(name=f"No API key file {path}", path=path, present=False)
 
-env_file = files.put(
-    name="Service environment file",
-    src=StringIO(render.render_env_file(rig)),
-    dest=paths["env_file"],
-    mode="644",
-)
-unit = files.put(
-    name=f"Unit {service}",
-    src=StringIO(render.render_unit(rig)),
-    dest=paths["unit"],
-    mode="644",
-)
-systemd.daemon_reload(name="Reload systemd (the unit changed)", _if=unit.did_change)
-started = systemd.service(
-    name=f"{service} enabled and running",
-    service=service,
-    running=True,
-    enabled=True,
-)
-inputs = [unit, env_file, *stage.recorded("server")]
-restarted = operations.restart_service(
-    name=f"Restart {service} (unit, environment, build or model changed)",
-    service=service,
-    _if=lambda: any_changed(*inputs)() and not started.did_change(),
-)
-stage.record("serving", *inputs, started)
-operations.wait_until_serving(
-    name=f"Wait until {service} serves",
-    base_url=render.base_url(rig),
-    service=server["service"],
-    timeout=server["start_timeout"],
-    _if=any_changed(started, restarted),
+
+def put_launcher():
+    return files.put(
+        name=f"Launcher {paths['launcher']} (`llamarig run`)",
+        src=StringIO(render.render_launcher(rig)),
+        dest=paths["launcher"],
+        mode="755",
+    )
+
+
+if server["supervisor"] == "none":
+    launcher = put_launcher()
+    inputs = [launcher, *stage.recorded("server")]
+    stage.record("serving", *inputs)
+    host.noop(
+        f"server.supervisor is none: nothing runs {paths['launcher']}; start it with "
+        "`llamarig run`"
+        + (
+            " (the command line, build or model changed)"
+            if any(i.will_change for i in inputs)
+            else ""
+        )
+    )
+else:
+    env_file = files.put(
+        name="Service environment file",
+        src=StringIO(render.render_env_file(rig)),
+        dest=paths["env_file"],
+        mode="644",
+    )
+    unit = files.put(
+        name=f"Unit {service}",
+        src=StringIO(render.render_unit(rig)),
+        dest=paths["unit"],
+        mode="644",
+    )
+    # A run cut short after writing the unit, environment, link or model but before the
+    # restart leaves the old process running: compare it with what it should run.
+    running = host.get_fact(RunningService, service=service, model=paths["model"])
+    stale = render.running_differs(rig, running) if running else []
+    if stale:
+        host.noop(f"{service} (pid {running['pid']}) is out of date: {'; '.join(stale)}")
+    needs_reload = bool(running and running["need_daemon_reload"])
+    systemd.daemon_reload(
+        name="Reload systemd (the unit changed)",
+        _if=lambda: unit.did_change() or needs_reload,
+    )
+    started = systemd.service(
+        name=f"{service} enabled and running",
+        service=service,
+        running=True,
+        enabled=True,
+    )
+    inputs = [unit, env_file, *stage.recorded("server")]
+    restarted = operations.restart_service(
+        name=f"Restart {service} (unit, environment, build or model changed, or out of date)",
+        service=service,
+        _if=lambda: (any_changed(*inputs)() or bool(stale)) and not started.did_change(),
+    )
+    stage.record("serving", *inputs, started)
+    operations.serve_or_roll_back(
+        name=f"Wait until {service} serves (else roll back to the last version that served)",
+        base_url=render.base_url(rig),
+        service=service,
+        timeout=server["start_timeout"],
+        unit=paths["unit"],
+        env_file=paths["env_file"],
+        current=paths["current"],
+        last_good=paths["last_good"],
+        _if=any_changed(started, restarted),
+    )
+    # After the wait: a version that was rolled back leaves the launcher of the one that serves.
+    put_launcher()
+
+operations.prune_builds(
+    name=f"Keep the newest {rig['llama_cpp']['keep_builds']} builds",
+    builds=paths["builds"],
+    keep=rig["llama_cpp"]["keep_builds"],
+    current=paths["build"],
+    last_good=(host.get_fact(FileContents, path=f"{paths['last_good']}/current") or [None])[0],
 )

@@ -12,7 +12,14 @@ from llamarig.facts import ServerProbe
 rig = stage.rig()
 service = f"{rig['server']['service']}.service"
 
-if any(operation.will_change for operation in stage.recorded("serving")):
+if rig["server"]["supervisor"] == "none":
+    probe = host.get_fact(ServerProbe, base_url=render.base_url(rig))
+    host.noop(
+        f"{render.base_url(rig)} answers /health {probe['health']}"
+        if probe["health"] == 200
+        else f"no server at {render.base_url(rig)} yet (supervisor none: `llamarig run` starts it)"
+    )
+elif any(operation.will_change for operation in stage.recorded("serving")):
     host.noop(f"{service} was (re)started in this run: checked by the server stage's wait")
 else:
     active = host.get_fact(SystemdStatus).get(service)

@@ -50,3 +50,45 @@ def test_server_probe():
         "tokens_per_second": 812.5,
     }
     assert ServerProbe().process(["503"])["completion_ok"] is False
+
+
+def test_missing_commands_runs_in_a_shell_and_lists_the_missing(tmp_path):
+    import subprocess
+
+    from llamarig.facts import MissingCommands
+
+    fact = MissingCommands()
+    command = fact.command(["sh", "no-such-tool-llamarig", "git"])
+    output = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+    assert output.returncode == 0
+    assert fact.process(output.stdout.splitlines()) == ["no-such-tool-llamarig"]
+
+
+def test_running_service_parses_the_main_process():
+    import base64
+
+    from llamarig.facts import RunningService
+
+    def encoded(items):
+        return base64.b64encode("\0".join(items).encode() + b"\0").decode()
+
+    output = [
+        "812",
+        "no",
+        "/opt/llamarig/builds/abc/bin/llama-server",
+        "1764520000",
+        encoded(["/opt/llamarig/current/bin/llama-server", "-m", "/m.gguf", "-c", "2048"]),
+        encoded(["HOME=/var/lib/llama-server", "A=b=c"]),
+        "1764519000",
+    ]
+    running = RunningService().process(output)
+    assert running == {
+        "pid": 812,
+        "need_daemon_reload": False,
+        "exe": "/opt/llamarig/builds/abc/bin/llama-server",
+        "started": 1764520000,
+        "cmdline": ["/opt/llamarig/current/bin/llama-server", "-m", "/m.gguf", "-c", "2048"],
+        "environ": {"HOME": "/var/lib/llama-server", "A": "b=c"},
+        "model_mtime": 1764519000,
+    }
+    assert RunningService().process([]) is None

@@ -197,3 +197,50 @@ def test_cmake_build_builds_once_and_retries_a_failed_build(tmp_path):
     # Another recipe with the same marker path is not taken for done.
     code, results, stderr = run_deploy(tmp_path, body.replace("'recipe': 1", "'recipe': 2"))
     assert (code, changed(results)) == (0, 1), stderr
+
+
+def test_prune_builds_keeps_current_last_good_and_newest(tmp_path):
+    import os
+
+    builds = tmp_path / "builds"
+    for age, name in enumerate(["newest", "second", "third", "oldest"]):
+        (builds / name).mkdir(parents=True)
+        marker = builds / name / ".llamarig-build.json"
+        marker.write_text("{}")
+        os.utime(marker, (1_000_000 - age * 100, 1_000_000 - age * 100))
+    body = f"""
+    operations.prune_builds(
+        name="prune", builds="{builds}", keep=2,
+        current="{builds}/fresh", last_good="{builds}/third",
+    )
+    """
+    # This run's build ("fresh", not built yet) and the rollback target ("third") stay.
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert sorted(p.name for p in builds.iterdir()) == ["third"]
+    assert changed(results) == 1
+
+    (builds / "fresh").mkdir()
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert changed(results) == 0, "a second run must delete nothing"
+    assert sorted(p.name for p in builds.iterdir()) == ["fresh", "third"]
+
+    # After a good start the rollback target is this run's build: the previous one stays.
+    body = f"""
+    operations.prune_builds(
+        name="prune", builds="{builds}", keep=2,
+        current="{builds}/fresh", last_good="{builds}/fresh",
+    )
+    """
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert changed(results) == 0
+    assert sorted(p.name for p in builds.iterdir()) == ["fresh", "third"]
+
+    body = f"""
+    operations.prune_builds(name="prune", builds="{builds}", keep=1, current="{builds}/fresh")
+    """
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert sorted(p.name for p in builds.iterdir()) == ["fresh"]

@@ -155,3 +155,62 @@ def test_api_key_reaches_the_service_as_a_credential(sandbox_rig, tmp_path):
     assert "--api-key-file %d/api-key" in unit
     text = unit + render.render_env_file(rig) + " ".join(render.server_args(rig))
     assert "s3cret" not in text and "--api-key " not in text
+
+
+def test_launcher_runs_the_units_command_line_and_environment(seed_rig, tmp_path):
+    """`llamarig run` executes the launcher: same arguments and environment as the unit."""
+    seed_rig = copy.deepcopy(seed_rig)
+    seed_rig["server"]["env"] = {"NCCL_NVLS_ENABLE": "0", "ODD": "a b $HOME"}
+    text = render.render_launcher(seed_rig)
+    lines = text.splitlines()
+    assert lines[0] == "#!/bin/sh"
+    exec_line = next(line for line in lines if line.startswith("exec "))
+    assert shlex.split(exec_line)[1:-1] == render.server_args(seed_rig)
+    assert exec_line.endswith('"$@"')
+    exports = dict(
+        shlex.split(line)[1].split("=", 1) for line in lines if line.startswith("export ")
+    )
+    assert exports == render.service_environment(seed_rig)
+    assert "--api-key-file" not in text
+
+    key = tmp_path / "key"
+    key.write_text("s3cret-value\n")
+    seed_rig["server"]["api_key_file"] = str(key)
+    text = render.render_launcher(seed_rig)
+    assert f"--api-key-file {render.API_KEY_PATH}" in text
+    assert "s3cret" not in text
+
+
+def test_running_server_is_compared_with_the_rig(sandbox_rig, tmp_path):
+    """What tells the deploy that a run was cut short before the restart."""
+    build = render.layout(sandbox_rig)["build"]
+    running = {
+        "pid": 1,
+        "need_daemon_reload": False,
+        "exe": f"{build}/bin/llama-server",
+        "started": 2000,
+        "cmdline": render.unit_command_line(sandbox_rig),
+        "environ": {**render.service_environment(sandbox_rig), "INVOCATION_ID": "x"},
+        "model_mtime": 1000,
+    }
+    assert render.running_differs(sandbox_rig, running) == []
+
+    stale = {
+        **running,
+        "cmdline": [*running["cmdline"][:-1], "--other"],
+        "exe": "/opt/llamarig/builds/old/bin/llama-server",
+        "environ": {},
+        "model_mtime": 3000,
+        "need_daemon_reload": True,
+    }
+    reasons = render.running_differs(sandbox_rig, stale)
+    assert len(reasons) == 5, reasons
+
+    key = tmp_path / "key"
+    key.write_text("k\n")
+    keyed = copy.deepcopy(sandbox_rig)
+    keyed["server"]["api_key_file"] = str(key)
+    assert render.unit_command_line(keyed)[-2:] == [
+        "--api-key-file",
+        "/run/credentials/llama-server.service/api-key",
+    ]

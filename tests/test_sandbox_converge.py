@@ -245,12 +245,11 @@ def test_verify_names_an_exposed_port_and_the_deploy_repairs_it(sandbox_info):
     )
     result = verify()
     assert result.returncode != 0
-    assert "llama-server listens on ['0.0.0.0:8080'], configured only 127.0.0.1:8080" in (
-        result.stdout
-    )
+    assert "port 8080 is listened on at ['0.0.0.0'], configured only 127.0.0.1" in result.stdout
     results = converge()
-    assert "Restart llama-server.service (unit, environment, build or model changed)" in (
-        changed_operations(results)
+    assert (
+        "Restart llama-server.service (unit, environment, build or model changed, or out of date)"
+        in (changed_operations(results))
     )
     assert verify().returncode == 0
 
@@ -300,3 +299,219 @@ def test_api_key_protects_a_network_listener_and_stays_secret(sandbox_info, tmp_
     converge()
     assert in_sandbox(sandbox_info, "ls /etc/llamarig") == "llama-server.env"
     assert status("/completion", prompt, None) == 200
+
+
+# --- reliability: hardening, rollback, interrupted runs (issue 6) ----------------------------
+
+EXPOSURE_LIMIT = 2.0
+UNIT_PATH = f"/etc/systemd/system/{SERVICE}.service"
+
+
+def test_hardened_unit_exposure_score(sandbox_info):
+    converge()
+    report = in_sandbox(sandbox_info, f"systemd-analyze security {SERVICE}.service --no-pager")
+    score = float(re.search(r"Overall exposure level for \S+: ([0-9.]+)", report).group(1))
+    print(f"systemd-analyze security {SERVICE}: exposure {score}")
+    assert score <= EXPOSURE_LIMIT, report[-2000:]
+    assert complete()["tokens_predicted"] == 8, "the hardened service must still serve"
+
+
+def rolled_back(sandbox_info, inventory: Path, cause: str) -> float:
+    """Deploy a version that cannot serve; check that the last good one serves again, unchanged,
+    and that the run failed loudly with the cause. Returns the rollback's seconds."""
+    unit_before = in_sandbox(sandbox_info, f"cat {UNIT_PATH}")
+    current_before = in_sandbox(sandbox_info, "readlink /opt/llamarig/current")
+    result = deploy(inventory)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, "a version that does not serve must fail the run"
+    assert f"the new version of {SERVICE}.service does not serve" in output, output[-3000:]
+    assert cause in output, f"the journal lines should name the cause ({cause}):\n{output[-3000:]}"
+    seconds = re.search(r"serves again after (\d+) s", output)
+    assert seconds, output[-3000:]
+    assert in_sandbox(sandbox_info, f"cat {UNIT_PATH}") == unit_before
+    assert in_sandbox(sandbox_info, "readlink /opt/llamarig/current") == current_before
+    assert complete()["tokens_predicted"] == 8
+    # Nothing is lost and nothing is left to repair: the plain rig converges without a change.
+    results = converge()
+    assert results["totals"]["success"] == 0, changed_operations(results)
+    return float(seconds.group(1))
+
+
+def test_a_server_that_cannot_start_is_rolled_back(sandbox_info, tmp_path):
+    # MTP drafting on a model without MTP layers: every flag exists (the flag check passes) and
+    # the CPU rig's plan has no header to refuse it, but llama-server exits at load.
+    broken = variant(tmp_path, server={"spec": {"type": ["draft-mtp"], "draft_max": 2}})
+    seconds = rolled_back(sandbox_info, broken, "MTP")
+    print(f"rollback after a start-up failure: the old version served again in {seconds:.0f} s")
+
+
+def test_a_corrupt_model_is_rolled_back(sandbox_info, tmp_path):
+    from llamarig import sandbox
+
+    good = sandbox.WWW_DIR / sandbox.MODEL_NAME
+    corrupt = sandbox.WWW_DIR / "corrupt-llama.gguf"
+    # Its sha256 is right (the user published a broken file), but the data ends early.
+    corrupt.write_bytes(good.read_bytes()[: 4 << 20])
+    try:
+        inventory = variant(
+            tmp_path,
+            model={
+                "url": f"http://127.0.0.1:{sandbox.DEFAULT_HTTP_PORT}/{corrupt.name}",
+                "sha256": sandbox.sha256_file(corrupt),
+            },
+        )
+        seconds = rolled_back(sandbox_info, inventory, "corrupt-llama.gguf")
+        print(f"rollback after a corrupt model: the old version served again in {seconds:.0f} s")
+    finally:
+        corrupt.unlink()
+
+
+def kill_when(process: subprocess.Popen, condition, timeout: float = 600) -> None:
+    """SIGKILL the deploy (and its process group) as soon as ``condition()`` holds."""
+    import signal
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, "the deploy ended before the moment to kill it"
+        assert time.monotonic() < deadline, "the moment to kill the deploy never came"
+        time.sleep(0.005)
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+
+
+def start_deploy(inventory: Path) -> subprocess.Popen:
+    import sys
+
+    from tests.conftest import pyinfra_env
+
+    return subprocess.Popen(
+        [sys.executable, "-m", "pyinfra", "-y", "inventory.py", "deploy.py"],
+        cwd=PROJECT,
+        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def host_path(sandbox_info, path: str) -> Path:
+    """A path inside the sandbox, seen from this machine (nspawn runs on a plain directory)."""
+    return Path(sandbox_info.root_dir) / path.lstrip("/")
+
+
+def serving_pid_runs(sandbox_info, inventory: Path) -> None:
+    """The service runs exactly what the rig data says and serves."""
+    data = load_inventory(inventory).hosts["sandbox"].data
+    pid = main_pid(sandbox_info)
+    cmdline = in_sandbox(sandbox_info, f"tr '\\0' '\\n' < /proc/{pid}/cmdline").splitlines()
+    assert cmdline == render.unit_command_line(data)
+    exe = in_sandbox(sandbox_info, f"readlink /proc/{pid}/exe")
+    assert exe == f"{render.layout(data)['build']}/bin/llama-server"
+    assert complete()["tokens_predicted"] == 8
+
+
+def test_a_build_killed_midway_is_finished_by_the_next_run(sandbox_info, tmp_path):
+    inventory = variant(tmp_path, llama_cpp={"cmake_options": {"LLAMA_BUILD_EXAMPLES": False}})
+    build = render.layout(load_inventory(inventory).hosts["sandbox"].data)["build"]
+    objects = host_path(sandbox_info, build)
+    process = start_deploy(inventory)
+    # Killed once the compiler is at work: the build directory has its first object files.
+    kill_when(process, lambda: objects.is_dir() and any(objects.rglob("*.o")))
+    assert not host_path(sandbox_info, f"{build}/{render.BUILD_COMPLETE_MARKER}").exists()
+    results = converge(inventory)
+    assert results["totals"]["error"] == 0
+    assert host_path(sandbox_info, f"{build}/{render.BUILD_COMPLETE_MARKER}").exists()
+    serving_pid_runs(sandbox_info, inventory)
+    results = converge(inventory)
+    assert results["totals"]["success"] == 0, changed_operations(results)
+    converge()
+    serving_pid_runs(sandbox_info, INVENTORY)
+
+
+class ThrottledFiles:
+    """The sandbox's model files served slowly (2 MiB/s) on a free loopback port, so a deploy
+    can be killed mid-download; records the Range headers it is asked for."""
+
+    def __init__(self, root: Path) -> None:
+        import threading
+        import time
+
+        from llamarig.fileserver import make_server
+
+        self.ranges: list[str | None] = []
+        server = make_server(root, 0)
+        handler, ranges = server.RequestHandlerClass, self.ranges
+
+        def slow_copy(self, source, length):
+            ranges.append(self.headers.get("Range"))
+            try:
+                while length > 0:
+                    chunk = source.read(min(length, 256 << 10))
+                    if not chunk:
+                        break
+                    self.wfile.write(chunk)
+                    length -= len(chunk)
+                    time.sleep(0.125)
+            except (BrokenPipeError, ConnectionResetError):
+                self.close_connection = True
+
+        handler._copy = slow_copy
+        self.server = server
+        self.port = server.server_address[1]
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+
+
+def test_a_download_killed_midway_resumes(sandbox_info, tmp_path):
+    from llamarig import sandbox
+
+    files = ThrottledFiles(sandbox.WWW_DIR)
+    try:
+        inventory = variant(
+            tmp_path,
+            model={
+                "url": f"http://127.0.0.1:{files.port}/{sandbox.MODEL_NAME}",
+                "sha256": sandbox_info.model_sha256,
+                "filename": "resumed-llama.gguf",
+            },
+        )
+        model = render.layout(load_inventory(inventory).hosts["sandbox"].data)["model"]
+        part = host_path(sandbox_info, model + ".part")
+        process = start_deploy(inventory)
+        kill_when(process, lambda: part.exists() and part.stat().st_size > (4 << 20))
+        # The remote curl outlives the killed deploy; stop it too, as a reboot or a torn-down
+        # SSH session would.
+        in_sandbox(sandbox_info, "pkill -9 -f '[c]url .*resumed-llama' || true")
+        assert not host_path(sandbox_info, model).exists(), "a partial model was moved in place"
+        results = converge(inventory)
+        assert results["totals"]["error"] == 0
+        # The second request continued where the first stopped.
+        assert len(files.ranges) == 2 and files.ranges[0] is None, files.ranges
+        assert re.fullmatch(r"bytes=[1-9][0-9]*-", files.ranges[1]), files.ranges
+        assert sandbox.sha256_file(host_path(sandbox_info, model)) == sandbox_info.model_sha256
+        serving_pid_runs(sandbox_info, inventory)
+    finally:
+        files.close()
+    converge()
+
+
+def test_a_deploy_killed_between_unit_and_restart_converges(sandbox_info, tmp_path):
+    inventory = variant(tmp_path, server={"ctx": 1536})
+    unit = host_path(sandbox_info, UNIT_PATH)
+    unit_before = unit.read_text()
+    pid_before = main_pid(sandbox_info)
+    process = start_deploy(inventory)
+    kill_when(process, lambda: unit.read_text() != unit_before)
+    # The interrupted state: the new unit is written, the old process still runs.
+    assert main_pid(sandbox_info) == pid_before, "the kill came too late to test this"
+    assert " -c 1536 " in unit.read_text()
+    results = converge(inventory)
+    changed = changed_operations(results)
+    assert any(name.startswith("Restart llama-server") for name in changed), changed
+    serving_pid_runs(sandbox_info, inventory)
+    results = converge(inventory)
+    assert results["totals"]["success"] == 0, changed_operations(results)
+    converge()

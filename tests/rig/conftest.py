@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 
 import pytest
 
@@ -34,6 +35,30 @@ def derived(rig) -> dict:
 
 
 @pytest.fixture(scope="session")
+def systemd_rig(data) -> dict:
+    if data["server"]["supervisor"] != "systemd":
+        pytest.skip("server.supervisor is none (no systemd on this host): no unit to check")
+    return data
+
+
+@pytest.fixture(scope="session")
+def managed_kernel(nvidia_rig) -> dict:
+    if not nvidia_rig["kernel_modules"]["manage"]:
+        pytest.skip("kernel_modules.manage is false: the host's owner keeps nouveau/nova off")
+    return nvidia_rig
+
+
+@pytest.fixture(scope="module")
+def server_pid(host, data) -> str:
+    """The main PID of the running llama-server (the unit's, or the launcher's process)."""
+    if data["server"]["supervisor"] == "systemd":
+        return host.run(f"systemctl show -P MainPID {data['server']['service']}").stdout.strip()
+    pids = host.run("pgrep -x llama-server").stdout.split()
+    assert pids, "no llama-server process: start it with `llamarig run`"
+    return pids[0]
+
+
+@pytest.fixture(scope="session")
 def nvidia_rig(data) -> dict:
     if data["driver"]["source"] == "none":
         pytest.skip("driver.source is none: a CPU-only rig has no NVIDIA driver to check")
@@ -46,9 +71,10 @@ def gpus(host, nvidia_rig) -> list[dict]:
     """The GPUs as nvidia-smi reports them; skipped (with the reason) on a host without one."""
     from llamarig.facts import NvidiaPciDevices
 
-    if not host.run(NvidiaPciDevices().command()).stdout.strip():
-        pytest.skip("no NVIDIA GPU on this host's PCI bus: GPU checks not possible")
+    on_pci_bus = bool(host.run(NvidiaPciDevices().command()).stdout.strip())
     if not host.exists("nvidia-smi"):
+        if not on_pci_bus:
+            pytest.skip("no NVIDIA GPU on this host's PCI bus: GPU checks not possible")
         pytest.fail("the host has an NVIDIA GPU but no nvidia-smi: the driver is not installed")
     fields = "index,pci.bus_id,name,memory.total,compute_cap,pcie.link.gen.current," + (
         "pcie.link.width.current,pcie.link.gen.max,pcie.link.width.max,driver_version"
@@ -67,6 +93,8 @@ def gpus(host, nvidia_rig) -> list[dict]:
 def api(host, derived):
     """Call the server's API from the host itself (it may listen on loopback only)."""
     base = derived["base_url"]
+    if not host.exists("curl"):
+        return python_api(host, base)
 
     def call(path: str, body: dict | None = None, auth: bool = True) -> tuple[int, str]:
         """GET (or POST ``body``); with the host's root-only API key header when one is set."""
@@ -76,6 +104,51 @@ def api(host, derived):
         result = host.run(
             f"curl -s -o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} {base}{path}; "
             "echo; cat /tmp/llamarig-verify.out; rm -f /tmp/llamarig-verify.out"
+        )
+        code, _, text = result.stdout.partition("\n")
+        return int(code or 0), text
+
+    return call
+
+
+# The same call through the host's python3, for hosts without curl (a bare GPU container).
+PYTHON_CALL = """
+import json, os, sys, urllib.error, urllib.request
+url, body, auth, header_file = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+headers = {"Content-Type": "application/json"} if body else {}
+if auth and os.path.exists(header_file):
+    name, _, value = open(header_file).read().strip().partition(": ")
+    headers[name] = value
+request = urllib.request.Request(url, data=body.encode() or None, headers=headers)
+try:
+    with urllib.request.urlopen(request, timeout=600) as response:
+        code, text = response.status, response.read().decode()
+except urllib.error.HTTPError as error:
+    code, text = error.code, error.read().decode()
+except OSError:
+    code, text = 0, ""
+print(code)
+print(text)
+"""
+
+
+def python_api(host, base: str):
+    from llamarig.render import API_KEY_HEADER_PATH
+
+    def call(path: str, body: dict | None = None, auth: bool = True) -> tuple[int, str]:
+        result = host.run(
+            "python3 -c "
+            + shlex.quote(PYTHON_CALL)
+            + " "
+            + " ".join(
+                shlex.quote(arg)
+                for arg in (
+                    f"{base}{path}",
+                    json.dumps(body) if body is not None else "",
+                    "1" if auth else "0",
+                    API_KEY_HEADER_PATH,
+                )
+            )
         )
         code, _, text = result.stdout.partition("\n")
         return int(code or 0), text

@@ -1,0 +1,512 @@
+"""The GPU benchmark of issue 5, run on the two-H200 machine by bench/run.sh.
+
+In one run: random-weight models (bench/models.py), the real deploy as pyinfra's @local
+(inventory/gpu-h200x2.yml) and its idempotence, the deployed server (`llamarig run`) per rig
+(planned split, mixed-card caps, 8B), `llamarig verify`, per-GPU memory against the plan, a
+`llama-bench` sweep of split modes and ratios with NCCL built in and not, the memory-bandwidth
+roofline, the build time and the binary's architectures. Everything lands in
+$OUT/results.json (written after each phase, so a cut-off run still reports), logs beside it;
+bench/report.py turns it into bench/RESULTS.md and bench/decode.png.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from llamarig.config import load_inventory  # noqa: E402
+from llamarig.gguf_header import read_gguf_header  # noqa: E402
+from llamarig.plan import plan_host  # noqa: E402
+
+WORK = Path("/srv/llamarig")
+MODELS = WORK / "models"
+OUT = Path(os.environ.get("OUT") or ROOT / "bench" / "out")
+RIG = ROOT / "inventory" / "gpu-h200x2.yml"
+MIXED = ROOT / "inventory" / "gpu-h200x2-mixed.yml"
+PROMPT = "Write a long story about a llama who learns to build servers. Once upon a time,"
+N_PREDICT = 128
+REPETITIONS = 5
+BENCH_FLAGS = ["-fa", "1", "-ctk", "q8_0", "-ctv", "q8_0", "-b", "2048", "-ub", "512"]
+BENCH_FLAGS += ["-p", "0", "-n", str(N_PREDICT), "-r", "3"]
+MEMORY_QUERY = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
+
+results: dict = {"started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+def save() -> None:
+    (OUT / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def run(command: list[str], log_name: str, env: dict | None = None, check: bool = True) -> float:
+    """Run a command with its output in $OUT/logs/LOG_NAME; returns its wall time."""
+    start = time.monotonic()
+    with open(OUT / "logs" / log_name, "a") as out:
+        out.write(f"$ {' '.join(command)}\n")
+        out.flush()
+        code = subprocess.call(command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    seconds = time.monotonic() - start
+    if check and code:
+        tail = (OUT / "logs" / log_name).read_text(errors="replace")[-3000:]
+        raise RuntimeError(f"{' '.join(command[:4])} failed ({code}); {log_name}:\n{tail}")
+    return seconds
+
+
+def env_for(inventory: Path) -> dict:
+    return {**os.environ, "RIG_INVENTORY": str(inventory), "PYTHONUNBUFFERED": "1"}
+
+
+def deploy(inventory: Path, log_name: str) -> dict:
+    """The real deploy (pyinfra @local); returns wall time and the changed operations."""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "pyinfra", "-y", "--json", "inventory.py", "deploy.py"],
+        cwd=ROOT,
+        env=env_for(inventory),
+        capture_output=True,
+        text=True,
+    )
+    seconds = time.monotonic() - start
+    (OUT / "logs" / log_name).write_text(result.stderr + "\n" + result.stdout[-20000:])
+    if result.returncode:
+        raise RuntimeError(f"deploy {inventory.name} failed:\n{result.stderr[-4000:]}")
+    ops = json.loads(result.stdout)["results"]
+    changed = [op["name"] for op in ops["operations"] if op["success"]]
+    return {"seconds": round(seconds, 1), "changed": len(changed), "changed_ops": changed}
+
+
+def derived_inventory(base: Path, name: str, overrides: dict) -> Path:
+    """A copy of a rig file with some host keys replaced (same host, another model)."""
+    text = yaml.safe_load(base.read_text())
+    hosts = text["all"]["children"]["gpu"]["hosts"]
+    ((host_name, host),) = hosts.items()
+    merged = copy.deepcopy(host)
+    for section, values in overrides.items():
+        merged.setdefault(section, {}).update(values)
+    hosts[host_name] = merged
+    path = WORK / f"{name}.yml"
+    path.write_text(yaml.safe_dump(text, sort_keys=False))
+    return path
+
+
+def host_data(inventory: Path) -> dict:
+    os.environ["RIG_INVENTORY"] = str(inventory)
+    (config,) = load_inventory().hosts.values()
+    return config.data
+
+
+def plan_for(data: dict, model: Path, **server: object):
+    """The planner's plan for this rig and model (with server settings overridden)."""
+    data = copy.deepcopy(data)
+    data["server"].update(server)
+    with open(model, "rb") as handle:
+        header = read_gguf_header(handle, name=str(model))
+    return plan_host("bench", data, header)
+
+
+def memory_used() -> list[int]:
+    return [int(v) for v in subprocess.check_output(MEMORY_QUERY, text=True).split()]
+
+
+class PeakMemory:
+    """Samples nvidia-smi while a command runs; keeps each GPU's peak."""
+
+    def __init__(self) -> None:
+        self.peak = [0, 0]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = [max(a, b) for a, b in zip(self.peak, memory_used(), strict=False)]
+            self._stop.wait(0.2)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def wait_gpus_idle(limit_mib: int = 1024, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while max(memory_used()) > limit_mib and time.monotonic() < deadline:
+        time.sleep(1)
+
+
+# The server's default sampler chain at temperature 0, and the cheapest one (top-k 1, i.e.
+# greedy): llama-bench samples nothing, so the second is the like-for-like comparison.
+SAMPLING = {
+    "default": {"temperature": 0},
+    "greedy": {"samplers": ["top_k"], "top_k": 1},
+}
+
+
+def completion(base: str, sampling: str = "default") -> dict:
+    body = json.dumps(
+        {
+            "prompt": PROMPT,
+            "n_predict": N_PREDICT,
+            "ignore_eos": True,
+            "cache_prompt": False,
+            **SAMPLING[sampling],
+        }
+    ).encode()
+    request = urllib.request.Request(
+        f"{base}/completion", data=body, headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=600) as response:
+        return json.load(response)
+
+
+def serve_and_measure(label: str, inventory: Path, model: Path) -> dict:
+    """Deploy the rig, start its server with `llamarig run`, measure decode and memory,
+    run `llamarig verify`, stop the server."""
+    entry: dict = {"inventory": inventory.name, "model": model.name}
+    entry["deploy"] = deploy(inventory, f"deploy-{label}.log")
+    data = host_data(inventory)
+    plan = plan_for(data, model)
+    entry["plan"] = {
+        "split_mode": plan.resolved["server"]["split_mode"],
+        "tensor_split": plan.resolved["server"]["tensor_split"],
+        "ctx": plan.resolved["server"]["ctx"],
+        "planned_mib": [g.planned_mib for g in plan.memory.devices],
+        "buffers_mib": [g.planned_mib - g.reserve_mib for g in plan.memory.devices],
+        "caps_mib": [g.vram_mib for g in plan.memory.devices],
+    }
+    base = f"http://127.0.0.1:{data['server']['port']}"
+    server_log = open(OUT / "logs" / f"server-{label}.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "llamarig.cli", "run"],
+        cwd=ROOT,
+        env=env_for(inventory),
+        stdout=server_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        start = time.monotonic()
+        while True:
+            if server.poll() is not None:
+                raise RuntimeError(f"llama-server exited ({server.returncode}); see server log")
+            try:
+                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() - start > 600:
+                raise RuntimeError("llama-server did not become healthy in 600 s")
+            time.sleep(1)
+        entry["load_seconds"] = round(time.monotonic() - start, 1)
+        completion(base)  # warm-up
+        for sampling in SAMPLING:
+            speeds = [
+                completion(base, sampling)["timings"]["predicted_per_second"]
+                for _ in range(REPETITIONS)
+            ]
+            entry[f"decode_tps_{sampling}"] = speeds
+            entry[f"decode_median_{sampling}"] = statistics.median(speeds)
+        entry["decode_median"] = entry["decode_median_greedy"]
+        used = memory_used()
+        entry["memory_used_mib"] = used
+        entry["memory_error_pct"] = [
+            round(100 * (planned - measured) / measured, 2)
+            for planned, measured in zip(entry["plan"]["planned_mib"], used, strict=False)
+        ]
+        entry["overhead_mib"] = [
+            measured - buffers
+            for measured, buffers in zip(used, entry["plan"]["buffers_mib"], strict=False)
+        ]
+        entry["under_caps"] = all(
+            u <= cap for u, cap in zip(used, entry["plan"]["caps_mib"], strict=False)
+        )
+        verify = subprocess.run(
+            [sys.executable, "-m", "llamarig.cli", "verify", "--", "-q"],
+            cwd=ROOT,
+            env=env_for(inventory),
+            capture_output=True,
+            text=True,
+        )
+        (OUT / "logs" / f"verify-{label}.log").write_text(verify.stdout + verify.stderr)
+        entry["verify"] = {"rc": verify.returncode, "summary": verify.stdout.strip()[-600:]}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        server_log.close()
+        wait_gpus_idle()
+    log(
+        f"{label}: {entry.get('decode_median_default', 0):.1f} t/s default sampling, "
+        f"{entry.get('decode_median', 0):.1f} greedy, memory {entry.get('memory_used_mib')}"
+    )
+    return entry
+
+
+def sweep_configs(mixed_ratio: list[float], full: bool) -> list[dict]:
+    """The sweep, most telling rows first (a run cut short still answers the main question):
+    tensor 1:1, one GPU, pipeline; with ``full`` also the uneven ratios and the mixed rig's
+    planned ratio; NCCL built in, and tensor 1:1 without it."""
+    planned = "/".join(f"{share:g}" for share in mixed_ratio)
+    configs = [
+        {"label": "tensor 1:1", "sm": "tensor", "ts": "1/1"},
+        {"label": "none (1 GPU)", "sm": "none", "ts": None},
+        {"label": "layer 1:1", "sm": "layer", "ts": "1/1"},
+    ]
+    if full:
+        configs += [
+            {"label": f"tensor {ts.replace('/', ':')}", "sm": "tensor", "ts": ts}
+            for ts in (planned, "2/3", "1/3")
+        ]
+    for config in configs:
+        config["nccl"] = True
+    configs.append({"label": "tensor 1:1 no NCCL", "sm": "tensor", "ts": "1/1", "nccl": False})
+    return configs
+
+
+def llama_bench(binary: str, model: Path, config: dict, log_name: str) -> dict:
+    command = [binary, "-m", str(model), "-sm", config["sm"], *BENCH_FLAGS, "-o", "json"]
+    if config["ts"]:
+        command += ["-ts", config["ts"]]
+    environment = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    with PeakMemory() as peak:
+        result = subprocess.run(command, capture_output=True, text=True, env=environment)
+    with open(OUT / "logs" / log_name, "a") as out:
+        out.write(f"$ {' '.join(command)}\n{result.stderr[-4000:]}\n{result.stdout}\n")
+    wait_gpus_idle()
+    if result.returncode:
+        return {"error": result.stderr.strip().splitlines()[-1:] or ["failed"]}
+    (record,) = json.loads(result.stdout)
+    return {
+        "avg_ts": record["avg_ts"],
+        "stddev_ts": record["stddev_ts"],
+        "samples_ts": record.get("samples_ts"),
+        "peak_mib": peak.peak,
+    }
+
+
+def device_bandwidth_gbs() -> list[float]:
+    """Device-to-device copy bandwidth per GPU (bytes read + written), median of 20 copies."""
+    import torch
+
+    rates = []
+    for index in range(torch.cuda.device_count()):
+        with torch.cuda.device(index):
+            source = torch.randint(0, 255, (4 << 30,), dtype=torch.uint8, device="cuda")
+            target = torch.empty_like(source)
+            times = []
+            for _ in range(22):
+                start, end = torch.cuda.Event(True), torch.cuda.Event(True)
+                start.record()
+                target.copy_(source)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1000)
+            rates.append(2 * source.numel() / statistics.median(times[2:]) / 1e9)
+            del source, target
+            torch.cuda.empty_cache()
+    return [round(rate, 1) for rate in rates]
+
+
+def decode_bytes(model: Path) -> int:
+    """Weight bytes read per decoded token: every tensor but the token embedding, of which one
+    row is read (llama.cpp keeps it in host memory)."""
+    with open(model, "rb") as handle:
+        header = read_gguf_header(handle, name=str(model))
+    return sum(t.n_bytes for t in header.tensors if t.name != "token_embd.weight")
+
+
+def main() -> int:
+    (OUT / "logs").mkdir(parents=True, exist_ok=True)
+    results["machine"] = {
+        "gpus": subprocess.check_output(
+            ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"],
+            text=True,
+        ).strip(),
+        "topology": subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True
+        ).stdout.strip(),
+        "nvcc": subprocess.check_output(["/usr/local/cuda/bin/nvcc", "--version"], text=True)
+        .strip()
+        .splitlines()[-1],
+        "cpus": os.cpu_count(),
+    }
+    data = host_data(RIG)
+    results["commit"] = data["llama_cpp"]["commit"]
+    save()
+
+    vocab = WORK / "vocab-llama-bpe.gguf"
+    if not vocab.exists():
+        vocab.write_bytes(
+            subprocess.check_output(
+                [
+                    "git",
+                    f"--git-dir={WORK / 'llama.cpp.git'}",
+                    "show",
+                    "HEAD:models/ggml-vocab-llama-bpe.gguf",
+                ]
+            )
+        )
+    model_32b, model_8b = MODELS / "llama-32b-q8_0.gguf", MODELS / "llama-8b-q8_0.gguf"
+    # The committed rig files, each with its model's path; BENCH_CUDA_ARCHITECTURES builds for
+    # fewer architectures when the device time is short (the RESULTS say so).
+    architectures = os.environ.get("BENCH_CUDA_ARCHITECTURES")
+    build_override = {"llama_cpp": {"cuda_architectures": architectures}} if architectures else {}
+    rig_32b = derived_inventory(RIG, "rig-32b", {**build_override})
+    rig_8b = derived_inventory(RIG, "rig-8b", {"model": {"path": str(model_8b)}, **build_override})
+    rig_mixed = derived_inventory(MIXED, "rig-mixed", {**build_override})
+    results["cuda_architectures"] = architectures or data["llama_cpp"]["cuda_architectures"]
+
+    def write_model(name: str) -> float:
+        command = [sys.executable, "bench/models.py", str(MODELS), str(vocab), name]
+        return round(run(command, "models.log"), 1)
+
+    log("writing the 8B model")
+    results["model_write_seconds"] = {"llama-8b": write_model("llama-8b")}
+    log("deploy of the 8B rig (the build) || 32.5B model || no-NCCL llama-bench build")
+    nonccl_dir = WORK / "build-no-nccl"
+    src = WORK / "src-no-nccl"
+    parallel = {}
+
+    def nonccl_build() -> None:
+        if not src.exists():
+            run(["git", "clone", "-q", str(WORK / "llama.cpp.git"), str(src)], "no-nccl.log")
+        configure = [
+            "cmake",
+            "-S",
+            str(src),
+            "-B",
+            str(nonccl_dir),
+            "-G",
+            "Ninja",
+            "-DGGML_CUDA=ON",
+            "-DGGML_NATIVE=OFF",
+            "-DCMAKE_CUDA_ARCHITECTURES=90-real",
+            "-DCMAKE_CUDA_COMPILER=/usr/local/cuda/bin/nvcc",
+            "-DGGML_CUDA_NCCL=OFF",
+            "-DCMAKE_BUILD_TYPE=Release",
+            "-DLLAMA_BUILD_TESTS=OFF",
+        ]
+        seconds = run(configure, "no-nccl.log")
+        seconds += run(
+            ["cmake", "--build", str(nonccl_dir), "--target", "llama-bench", "-j", "8"],
+            "no-nccl.log",
+        )
+        parallel["no_nccl_build_seconds"] = round(seconds, 1)
+
+    def write_32b() -> None:
+        parallel["llama-32b"] = write_model("llama-32b")
+
+    threads = [threading.Thread(target=f) for f in (nonccl_build, write_32b)]
+    for thread in threads:
+        thread.start()
+    try:
+        results["deploy_first"] = deploy(rig_8b, "deploy-first.log")
+    finally:
+        for thread in threads:
+            thread.join()
+    results["no_nccl_build_seconds"] = parallel.get("no_nccl_build_seconds")
+    results["model_write_seconds"]["llama-32b"] = parallel.get("llama-32b")
+    save()
+    log(f"first deploy {results['deploy_first']['seconds']} s")
+    results["deploy_second"] = deploy(rig_8b, "deploy-second.log")
+    log(f"second deploy: {results['deploy_second']['changed']} changed")
+
+    build = Path(os.path.realpath(f"{data['paths']['prefix']}/current"))
+    library = str(build / "bin" / "libggml-cuda.so")
+    elf = subprocess.run(
+        ["/usr/local/cuda/bin/cuobjdump", "--list-elf", library], capture_output=True, text=True
+    ).stdout
+    linked = subprocess.run(["ldd", library], capture_output=True, text=True).stdout
+    marker, cache = build / ".llamarig-build.json", build / "CMakeCache.txt"
+    results["build"] = {
+        "dir": str(build),
+        "seconds": round(marker.stat().st_mtime - cache.stat().st_mtime, 1),
+        "cuobjdump": elf.strip().splitlines(),
+        "architectures": sorted(
+            {line.split(".")[-2] for line in elf.splitlines() if ".sm_" in line}
+        ),
+        "nccl_linked": "libnccl" in linked,
+    }
+    save()
+
+    results["bandwidth_gbs"] = device_bandwidth_gbs()
+    save()
+    log(f"bandwidth {results['bandwidth_gbs']} GB/s")
+
+    results["servers"] = {}
+    for label, inventory, model in (
+        ("8b-planned", rig_8b, model_8b),
+        ("32b-planned", rig_32b, model_32b),
+        ("32b-mixed", rig_mixed, model_32b),
+    ):
+        try:
+            results["servers"][label] = serve_and_measure(label, inventory, model)
+        except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+            results["servers"][label] = {"error": str(error)[-2000:]}
+            log(f"{label}: {error}")
+        save()
+
+    mixed_data = host_data(rig_mixed)
+    mixed_plan = plan_for(mixed_data, model_32b)
+    mixed_ratio = mixed_plan.resolved["server"]["tensor_split"]
+    binaries = {
+        True: str(build / "bin" / "llama-bench"),
+        False: str(nonccl_dir / "bin/llama-bench"),
+    }
+    results["sweep"] = {}
+    for model in (model_32b, model_8b):
+        rows = []
+        for config in sweep_configs(mixed_ratio, full=model == model_32b):
+            row = dict(config)
+            row.update(
+                llama_bench(binaries[config["nccl"]], model, config, f"sweep-{model.stem}.log")
+            )
+            if model == model_32b:
+                # Would it fit the mixed caps at the mixed rig's planned context?
+                ts = [float(x) for x in config["ts"].split("/")] if config["ts"] else None
+                capped = plan_for(
+                    mixed_data,
+                    model,
+                    split_mode=config["sm"],
+                    tensor_split=ts,
+                    ctx=mixed_plan.memory.ctx,
+                )
+                row["fits_mixed_caps"] = bool(capped.memory and capped.memory.fits)
+            rows.append(row)
+            log(f"{model.stem} {config['label']}: {row.get('avg_ts', row.get('error'))}")
+            results["sweep"][model.stem] = rows
+            save()
+        results.setdefault("decode_bytes", {})[model.stem] = decode_bytes(model)
+        save()
+    results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    save()
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
