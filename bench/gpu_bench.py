@@ -412,7 +412,7 @@ def main() -> int:
         ]
         seconds = run(configure, "no-nccl.log")
         seconds += run(
-            ["cmake", "--build", str(nonccl_dir), "--target", "llama-bench", "-j", "8"],
+            ["cmake", "--build", str(nonccl_dir), "--target", "llama-bench", "-j", "16"],
             "no-nccl.log",
         )
         parallel["no_nccl_build_seconds"] = round(seconds, 1)
@@ -420,15 +420,15 @@ def main() -> int:
     def write_32b() -> None:
         parallel["llama-32b"] = write_model("llama-32b")
 
-    threads = [threading.Thread(target=f) for f in (nonccl_build, write_32b)]
-    for thread in threads:
-        thread.start()
+    # The no-NCCL build only feeds the sweep's last rows: nothing waits for it before those.
+    nonccl_thread = threading.Thread(target=nonccl_build)
+    model_thread = threading.Thread(target=write_32b)
+    nonccl_thread.start()
+    model_thread.start()
     try:
         results["deploy_first"] = deploy(rig_8b, "deploy-first.log")
     finally:
-        for thread in threads:
-            thread.join()
-    results["no_nccl_build_seconds"] = parallel.get("no_nccl_build_seconds")
+        model_thread.join()
     results["model_write_seconds"]["llama-32b"] = parallel.get("llama-32b")
     save()
     log(f"first deploy {results['deploy_first']['seconds']} s")
@@ -478,30 +478,37 @@ def main() -> int:
         False: str(nonccl_dir / "bin/llama-bench"),
     }
     results["sweep"] = {}
-    for model in (model_32b, model_8b):
-        rows = []
-        for config in sweep_configs(mixed_ratio, full=model == model_32b):
-            row = dict(config)
-            row.update(
-                llama_bench(binaries[config["nccl"]], model, config, f"sweep-{model.stem}.log")
-            )
-            if model == model_32b:
-                # Would it fit the mixed caps at the mixed rig's planned context?
-                ts = [float(x) for x in config["ts"].split("/")] if config["ts"] else None
-                capped = plan_for(
-                    mixed_data,
-                    model,
-                    split_mode=config["sm"],
-                    tensor_split=ts,
-                    ctx=mixed_plan.memory.ctx,
-                )
-                row["fits_mixed_caps"] = bool(capped.memory and capped.memory.fits)
-            rows.append(row)
-            log(f"{model.stem} {config['label']}: {row.get('avg_ts', row.get('error'))}")
-            results["sweep"][model.stem] = rows
+    configs = {
+        model: sweep_configs(mixed_ratio, full=model == model_32b)
+        for model in (model_32b, model_8b)
+    }
+    # Every row with NCCL first, both models; the no-NCCL rows last, once their build is done.
+    for with_nccl in (True, False):
+        if not with_nccl:
+            nonccl_thread.join()
+            results["no_nccl_build_seconds"] = parallel.get("no_nccl_build_seconds")
+        for model, model_configs in configs.items():
+            rows = results["sweep"].setdefault(model.stem, [])
+            for config in (c for c in model_configs if c["nccl"] == with_nccl):
+                row = dict(config)
+                binary = binaries[config["nccl"]]
+                row.update(llama_bench(binary, model, config, f"sweep-{model.stem}.log"))
+                if model == model_32b:
+                    # Would it fit the mixed caps at the mixed rig's planned context?
+                    ts = [float(x) for x in config["ts"].split("/")] if config["ts"] else None
+                    capped = plan_for(
+                        mixed_data,
+                        model,
+                        split_mode=config["sm"],
+                        tensor_split=ts,
+                        ctx=mixed_plan.memory.ctx,
+                    )
+                    row["fits_mixed_caps"] = bool(capped.memory and capped.memory.fits)
+                rows.append(row)
+                log(f"{model.stem} {config['label']}: {row.get('avg_ts', row.get('error'))}")
+                save()
+            results.setdefault("decode_bytes", {})[model.stem] = decode_bytes(model)
             save()
-        results.setdefault("decode_bytes", {})[model.stem] = decode_bytes(model)
-        save()
     results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     save()
     log("done")

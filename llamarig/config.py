@@ -329,8 +329,17 @@ def load_inventory(path: Path | None = None) -> Inventory:
                     "`hosts: NAME:` or `vars:`)"
                 )
         group_vars = mapping(node.get("vars"), f"{key_path}.vars", "a mapping of settings")
-        data = deep_merge(inherited, group_vars)
         group_origins = dict(origins)
+        # group_data/GROUP.yml: the group's documented defaults, under its inventory vars.
+        group_file = DEFAULTS_PATH.parent / f"{group_name}.yml"
+        if group_name != "all" and group_file.is_file():
+            file_vars = load_yaml(group_file)
+            if not isinstance(file_vars, dict):
+                problems.append(f"{group_file}: is {_json_type(file_vars)}; it must be a mapping")
+                file_vars = {}
+            inherited = deep_merge(inherited, file_vars)
+            _record_origins(file_vars, str(group_file.relative_to(PROJECT_DIR)), (), group_origins)
+        data = deep_merge(inherited, group_vars)
         _record_origins(group_vars, str(path), (), group_origins)
         # Hosts directly under `all` form Ansible's implicit `ungrouped` group.
         members = groups.setdefault("ungrouped" if group_name == "all" else group_name, [])
@@ -388,9 +397,55 @@ def load_inventory(path: Path | None = None) -> Inventory:
         problems.extend(validate_host(host_config))
     if not problems:
         problems.extend(_shared_machine_problems(list(hosts.values())))
+        problems.extend(_rpc_inventory_problems(hosts))
     if problems:
         raise ConfigError(problems)
     return Inventory(path, hosts, groups)
+
+
+def _rpc_inventory_problems(hosts: dict[str, HostConfig]) -> list[str]:
+    """Each head's workers are rpc-worker hosts of this inventory; their addresses become the
+    head's rpc.endpoints (so --rpc is never typed twice)."""
+    problems = []
+    for host_config in hosts.values():
+        rpc = host_config.data["rpc"]
+        if "endpoints" in rpc:
+            problems.append(
+                _located(
+                    host_config,
+                    ("rpc", "endpoints"),
+                    "is derived from rpc.workers (each worker's rpc.host:rpc.port); name the "
+                    "workers instead",
+                    in_inventory=True,
+                )
+            )
+            continue
+        if host_config.data["role"] != "rpc-head":
+            continue
+        endpoints = []
+        for name in rpc["workers"]:
+            worker = hosts.get(name)
+            if worker is None or worker.data["role"] != "rpc-worker":
+                what = (
+                    f"not a host of this inventory ({_did_you_mean(name, list(hosts))})"
+                    if worker is None
+                    else f"a `{worker.data['role']}` host"
+                )
+                problems.append(
+                    _located(
+                        host_config,
+                        ("rpc", "workers"),
+                        f"names `{name}`, which is {what}; a head's workers are hosts with "
+                        "`role: rpc-worker`",
+                        in_inventory=True,
+                    )
+                )
+                continue
+            address = worker.data["rpc"]["host"]
+            address = f"[{address}]" if ":" in address else address
+            endpoints.append(f"{address}:{worker.data['rpc']['port']}")
+        rpc["endpoints"] = endpoints
+    return problems
 
 
 def _machine(data: dict) -> tuple:
@@ -668,7 +723,7 @@ def semantic_problems(data: dict) -> list[tuple]:
             )
         )
 
-    if not model["url"] and not model["path"]:
+    if not model["url"] and not model["path"] and data["role"] != "rpc-worker":
         problems.append(
             (
                 ("model",),
@@ -817,6 +872,75 @@ def semantic_problems(data: dict) -> list[tuple]:
         problems += _version_problems(data)
     problems += _gpu_list_problems(gpus)
     problems += _control_character_problems(data)
+    problems += _rpc_role_problems(data)
+    return problems
+
+
+WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
+
+
+def _rpc_role_problems(data: dict) -> list[tuple]:
+    """One host's RPC settings against its role (the workers' names are checked across the
+    inventory by _rpc_inventory_problems)."""
+    role, rpc = data["role"], data["rpc"]
+    problems: list[tuple] = []
+    if role == "rpc-worker":
+        if rpc["host"] is None:
+            problems.append(
+                (
+                    ("rpc", "host"),
+                    "is missing: an rpc-worker binds ggml-rpc-server to a private address the "
+                    "head reaches, e.g. 10.0.0.12 (the RPC protocol has no authentication, so "
+                    "never a public one)",
+                    MISSING,
+                )
+            )
+        elif rpc["host"] in WILDCARD_HOSTS:
+            problems.append(
+                (
+                    ("rpc", "host"),
+                    f"{rpc['host']!r} would expose ggml-rpc-server, which has no "
+                    "authentication, on every interface; name the private address the head "
+                    "reaches, e.g. 10.0.0.12",
+                )
+            )
+        if rpc["workers"]:
+            problems.append(
+                (("rpc", "workers"), "is for an rpc-head; a worker lends its devices to one")
+            )
+    elif rpc["workers"] and role != "rpc-head":
+        problems.append(
+            (
+                ("role",),
+                f"is `{role}` but rpc.workers lists {', '.join(rpc['workers'])}; set "
+                "`role: rpc-head` to use them, or remove rpc.workers",
+            )
+        )
+    elif role == "rpc-head":
+        if not rpc["workers"]:
+            problems.append(
+                (
+                    ("rpc", "workers"),
+                    "is empty: an rpc-head names its worker hosts from this inventory, e.g. "
+                    "[worker1]",
+                    MISSING,
+                )
+            )
+        if data["server"]["split_mode"] == "tensor":
+            problems.append(
+                (
+                    ("server", "split_mode"),
+                    "`tensor` does not span hosts: RPC devices take whole layers; use `layer`",
+                )
+            )
+        if "auto" in (data["server"]["ctx"], data["server"]["tensor_split"]):
+            problems.append(
+                (
+                    ("server", "ctx" if data["server"]["ctx"] == "auto" else "tensor_split"),
+                    "`auto` is not planned across hosts yet; give numbers (the head's GPUs "
+                    "first, then each worker's, in rpc.workers order)",
+                )
+            )
     return problems
 
 

@@ -351,6 +351,72 @@ def prune_builds(builds: str, keep: int, current: str, last_good: str | None = N
             yield f"rm -rf {shlex.quote(f'{builds}/{name}')}"
 
 
+def _tcp_probe(endpoint: str) -> str:
+    """A shell test that succeeds when ``endpoint`` (host:port, [v6]:port) accepts TCP."""
+    address, _, port = endpoint.rpartition(":")
+    address = address.strip("[]")
+    return f"timeout 3 bash -c {shlex.quote(f'exec 3<>/dev/tcp/{address}/{port}')} 2>/dev/null"
+
+
+@operation(is_idempotent=False)
+def wait_for_port(endpoint: str, service: str, timeout: int):
+    """
+    Wait until a (re)started service accepts TCP connections on ``endpoint``; else fail with its
+    last journal lines.
+
+    + endpoint: ``host:port`` the service listens on
+    + service: systemd unit name (journal)
+    + timeout: seconds to wait
+
+    **Example:**
+
+    .. code:: python
+
+        wait_for_port(endpoint="10.0.0.12:50052", service="ggml-rpc-server", timeout=60)
+    """
+    quoted = shlex.quote(service)
+    yield f"""
+deadline=$(( $(date +%s) + {int(timeout)} ))
+until {_tcp_probe(endpoint)}; do
+  if [ $(date +%s) -ge $deadline ] || [ "$(systemctl show -P SubState {quoted})" = auto-restart ]
+  then
+    echo "llamarig: {service} does not accept connections on {endpoint}; its journal:" >&2
+    journalctl -u {quoted} -n 20 --no-pager -o cat >&2; exit 1
+  fi
+  sleep 1
+done
+echo "llamarig: {service} listens on {endpoint}"
+""".strip()
+
+
+@operation(is_idempotent=False)
+def check_rpc_workers(endpoints: list[str]):
+    """
+    Fail unless every RPC worker accepts connections from this host: a head restarted without
+    its workers cannot load the model, so the run stops before the restart.
+
+    + endpoints: the workers' ``host:port``
+
+    **Example:**
+
+    .. code:: python
+
+        check_rpc_workers(endpoints=["10.0.0.12:50052", "10.0.0.13:50052"])
+    """
+    checks = "\n".join(
+        f'{_tcp_probe(endpoint)} || down="$down {endpoint}"' for endpoint in endpoints
+    )
+    yield f"""
+down=""
+{checks}
+if [ -n "$down" ]; then
+  echo "llamarig: RPC worker(s) not reachable from this head:$down - converge the workers" \
+    "(their ggml-rpc-server unit) and check the network; the running server was left as it is" >&2
+  exit 1
+fi
+""".strip()
+
+
 def server_flags(args: list[str]) -> list[str]:
     """The option names in a llama-server command line (values such as ``-1`` excluded)."""
     return sorted({arg.split("=", 1)[0] for arg in args[1:] if re.match(r"^--?[A-Za-z]", arg)})

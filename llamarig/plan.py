@@ -123,7 +123,11 @@ class HostPlan:
         lines.extend(f"  error: {error}" for error in self.errors)
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         lines.extend(f"  note: {note}" for note in self.notes)
-        if self.server_args_ready:
+        if self.resolved["role"] == "rpc-worker":
+            lines.append(
+                "  ggml-rpc-server: " + render.shell_join(render.rpc_server_args(self.resolved))
+            )
+        elif self.server_args_ready:
             lines.append("  llama-server: " + render.shell_join(self.server_args))
         lines.append("  cmake: " + render.shell_join(self.cmake_args))
         return "\n".join(lines)
@@ -285,6 +289,22 @@ def plan_host(
 
     plan = HostPlan(name, resolved, gpus, source, architectures, None, errors, warnings)
     wants_auto = "auto" in (server["ctx"], server["tensor_split"])
+    if data["role"] == "rpc-worker":
+        rpc = data["rpc"]
+        plan.notes.append(
+            f"rpc-worker: lends its devices to a head on {rpc['host']}:{rpc['port']}; the head "
+            "plans the model"
+        )
+        return plan
+    if data["role"] == "rpc-head":
+        workers = data["rpc"].get("endpoints") or data["rpc"]["workers"]
+        plan.notes.append(
+            f"rpc-head with workers {', '.join(workers)}: "
+            "layers on the workers exchange activations over the network at every host boundary "
+            "and the weights travel once at load - the network between hosts is the bottleneck "
+            "(memory across hosts is not planned yet: -ngl and -ts are taken as given)"
+        )
+        return plan
     if not gpu:
         if wants_auto:
             errors.append("ctx/tensor_split `auto` plan GPU memory; a cpu rig needs numbers")

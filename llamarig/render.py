@@ -21,6 +21,7 @@ from llamarig.hardware import cuda_architectures
 
 TEMPLATES_DIR = PROJECT_DIR / "files"
 BUILD_COMPLETE_MARKER = ".llamarig-build.json"
+RPC_SERVER = "ggml-rpc-server"
 # The API key on the host (root only), and a curl header file made from it for the deploy's own
 # checks (curl -H @FILE keeps the key out of every command line).
 API_KEY_PATH = "/etc/llamarig/api-key"
@@ -69,15 +70,24 @@ def cmake_options(data: dict) -> dict[str, str]:
         )
     else:
         options["GGML_CUDA"] = "OFF"
+    if data["role"] != "standalone":
+        options["GGML_RPC"] = "ON"
     options["GGML_CCACHE"] = _cmake_value(llama_cpp["ccache"])
     options.update({key: _cmake_value(value) for key, value in llama_cpp["cmake_options"].items()})
     return options
 
 
+def build_targets(data: dict) -> list[str]:
+    """What the build makes: an RPC worker needs only ggml-rpc-server."""
+    if data["role"] == "rpc-worker":
+        return [RPC_SERVER]
+    return list(data["llama_cpp"]["targets"])
+
+
 def build_id(data: dict) -> str:
     """Directory name of a build: commit plus a digest of everything that changes the output."""
     llama_cpp = data["llama_cpp"]
-    recipe = {"options": cmake_options(data), "targets": sorted(llama_cpp["targets"])}
+    recipe = {"options": cmake_options(data), "targets": sorted(build_targets(data))}
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
     return f"{llama_cpp['commit'][:12]}-{digest}"
 
@@ -96,6 +106,7 @@ def layout(data: dict) -> dict[str, str]:
         "model": data["model"]["path"]
         or str(PurePosixPath(data["paths"]["models"]) / model_filename(data)),
         "unit": f"/etc/systemd/system/{data['server']['service']}.service",
+        "rpc_unit": f"/etc/systemd/system/{data['rpc']['service']}.service",
         "launcher": str(prefix / "bin" / data["server"]["service"]),
         # Copies of unit, env file and `current` target of the last version that served.
         "last_good": f"/var/lib/llamarig/last-good/{data['server']['service']}",
@@ -113,7 +124,7 @@ def cmake_configure_command(data: dict) -> list[str]:
 
 def cmake_build_command(data: dict) -> list[str]:
     jobs = data["llama_cpp"]["jobs"]
-    command = ["cmake", "--build", layout(data)["build"], "--target", *data["llama_cpp"]["targets"]]
+    command = ["cmake", "--build", layout(data)["build"], "--target", *build_targets(data)]
     if jobs:
         command += ["--parallel", str(jobs)]
     return command
@@ -125,7 +136,7 @@ def build_manifest(data: dict) -> dict:
         "commit": data["llama_cpp"]["commit"],
         "repo": data["llama_cpp"]["repo"],
         "cmake_options": cmake_options(data),
-        "targets": data["llama_cpp"]["targets"],
+        "targets": build_targets(data),
     }
 
 
@@ -158,7 +169,11 @@ def server_args(data: dict) -> list[str]:
         "-lm",
         server["load_mode"],
     ]
-    if gpu:
+    endpoints = data["rpc"].get("endpoints") if data["role"] == "rpc-head" else None
+    if endpoints:
+        args += ["--rpc", ",".join(endpoints)]
+    if gpu or endpoints:
+        # RPC devices take layers like GPUs do, also on a head built for the CPU.
         args += ["-ngl", str(server["gpu_layers"]), "-sm", server["split_mode"]]
         devices = cuda_device_names(data["gpus"]) if data["gpus"] else []
         shares = server["tensor_split"]
@@ -288,6 +303,40 @@ def unit_context(data: dict) -> dict:
         "prefix": data["paths"]["prefix"],
         "api_key_path": API_KEY_PATH if server["api_key_file"] else None,
     }
+
+
+def rpc_server_args(data: dict) -> list[str]:
+    """A worker's ggml-rpc-server command line."""
+    rpc = data["rpc"]
+    args = [
+        f"{layout(data)['current']}/bin/{RPC_SERVER}",
+        "-H",
+        rpc["host"],
+        "-p",
+        str(rpc["port"]),
+    ]
+    if rpc["threads"]:
+        args += ["-t", str(rpc["threads"])]
+    if rpc["cache"]:
+        args.append("-c")
+    return args
+
+
+def render_rpc_unit(data: dict) -> str:
+    rpc = data["rpc"]
+    return (
+        _templates()
+        .get_template("ggml-rpc-server.service.j2")
+        .render(
+            service=rpc["service"],
+            exec_start=" ".join(systemd_quote(arg) for arg in rpc_server_args(data)),
+            gpu=data["llama_cpp"]["backend"] == "cuda",
+            prefix=data["paths"]["prefix"],
+            environment=service_environment(
+                {**data, "server": {**data["server"], "service": rpc["service"]}}
+            ),
+        )
+    )
 
 
 def render_unit(data: dict) -> str:

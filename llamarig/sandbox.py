@@ -178,6 +178,23 @@ def drop_dhcp_stanzas(interfaces: str) -> str:
     return "".join(kept)
 
 
+def private_apt_archives(name: str) -> Path:
+    """Sandbox `name`'s own apt archive directory: two sandboxes running apt at once would
+    fight over one directory's lock (real boxes never share it)."""
+    return SANDBOX_DIR / name / "apt-archives"
+
+
+def _link_debs(source: Path, target: Path) -> None:
+    """Hard-link the .deb files of `source` that `target` lacks (one filesystem: no copies)."""
+    target.mkdir(parents=True, exist_ok=True)
+    for deb in source.glob("*.deb"):
+        if not (target / deb.name).exists():
+            try:
+                os.link(deb, target / deb.name)
+            except OSError:
+                shutil.copy2(deb, target / deb.name)
+
+
 def nspawn_command(name: str, release: str, root: Path) -> list[str]:
     """The systemd-nspawn command line that boots sandbox `name` from `root`."""
     return [
@@ -189,7 +206,7 @@ def nspawn_command(name: str, release: str, root: Path) -> list[str]:
         "-D",
         str(root),
         f"--machine={name}",
-        f"--bind={APT_ARCHIVES_DIR / release}:/var/cache/apt/archives",
+        f"--bind={private_apt_archives(name)}:/var/cache/apt/archives",
         f"--bind={CCACHE_DIR / release}:{SANDBOX_CCACHE_PATH}",
     ]
 
@@ -658,6 +675,9 @@ def _prepare_working_root(name: str, release: str, base_root: Path, ssh_port: in
     (root / SANDBOX_CCACHE_PATH.lstrip("/")).mkdir(parents=True, exist_ok=True)
     for host_dir in (APT_ARCHIVES_DIR / release / "partial", CCACHE_DIR / release):
         host_dir.mkdir(parents=True, exist_ok=True)
+    # Seeded from the release's shared archive; what it downloads goes back there on `down`.
+    _link_debs(APT_ARCHIVES_DIR / release, private_apt_archives(name))
+    (private_apt_archives(name) / "partial").mkdir(exist_ok=True)
     return root
 
 
@@ -831,6 +851,9 @@ def down(name: str) -> None:
     paths = _paths(name)
     with _exclusive_lock():
         _stop_sandbox_processes(name)
+        release = (_load_state(name) or {}).get("release")
+        if release:
+            _link_debs(private_apt_archives(name), APT_ARCHIVES_DIR / release)
         _remove_tree(paths["root"])
         paths["pid"].unlink(missing_ok=True)
         paths["log"].unlink(missing_ok=True)

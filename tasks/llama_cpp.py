@@ -66,7 +66,7 @@ command_file, command_text = (
     else (paths["launcher"], render.render_launcher(rig))
 )
 command_differs = host.get_fact(Sha256File, path=command_file) != render.sha256_text(command_text)
-if build.will_change or command_differs:
+if rig["role"] != "rpc-worker" and (build.will_change or command_differs):
     operations.check_server_flags(
         name="llama-server knows every option of the command line",
         binary=f"{paths['build']}/bin/llama-server",

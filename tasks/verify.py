@@ -12,7 +12,18 @@ from llamarig.facts import ServerProbe
 rig = stage.rig()
 service = f"{rig['server']['service']}.service"
 
-if rig["server"]["supervisor"] == "none":
+if rig["role"] == "rpc-worker":
+    rpc_service = f"{rig['rpc']['service']}.service"
+    if any(operation.will_change for operation in stage.recorded("serving")):
+        host.noop(f"{rpc_service} was (re)started in this run: checked by the server stage")
+    elif host.get_fact(SystemdStatus).get(rpc_service):
+        host.noop(f"{rpc_service} active on {rig['rpc']['host']}:{rig['rpc']['port']}")
+    else:
+        operations.fail(
+            name="Verify the RPC worker",
+            message=f"{rpc_service} is not active (systemctl status {rpc_service})",
+        )
+elif rig["server"]["supervisor"] == "none":
     probe = host.get_fact(ServerProbe, base_url=render.base_url(rig))
     host.noop(
         f"{render.base_url(rig)} answers /health {probe['health']}"

@@ -190,7 +190,8 @@ def test_nspawn_command_binds_caches():
         "-b",
     ]
     assert "--machine=sandbox-trixie" in command
-    assert f"--bind={sandbox.CACHE_DIR}/apt-archives/trixie:/var/cache/apt/archives" in command
+    archives = sandbox.CACHE_DIR / "sandbox" / "sandbox-trixie" / "apt-archives"
+    assert f"--bind={archives}:/var/cache/apt/archives" in command
     assert f"--bind={sandbox.CACHE_DIR}/ccache/trixie:/var/cache/llamarig/ccache" in command
 
 

@@ -35,7 +35,16 @@ def derived(rig) -> dict:
 
 
 @pytest.fixture(scope="session")
-def systemd_rig(data) -> dict:
+def serving_rig(data) -> dict:
+    """A rig that runs llama-server (not an RPC worker, which lends its devices to a head)."""
+    if data["role"] == "rpc-worker":
+        pytest.skip("an rpc-worker runs ggml-rpc-server, not llama-server: its head serves")
+    return data
+
+
+@pytest.fixture(scope="session")
+def systemd_rig(serving_rig) -> dict:
+    data = serving_rig
     if data["server"]["supervisor"] != "systemd":
         pytest.skip("server.supervisor is none (no systemd on this host): no unit to check")
     return data
@@ -90,7 +99,7 @@ def gpus(host, nvidia_rig) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def api(host, derived):
+def api(host, derived, serving_rig):
     """Call the server's API from the host itself (it may listen on loopback only)."""
     base = derived["base_url"]
     if not host.exists("curl"):

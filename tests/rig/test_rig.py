@@ -261,6 +261,16 @@ def listening_addresses(host, port: int | None) -> list[str]:
 
 
 def test_listens_only_where_configured(host, data, derived):
+    if data["role"] == "rpc-worker":
+        rpc = data["rpc"]
+        if not listening_addresses(host, None):
+            pytest.skip("the kernel's socket tables list no listener at all here")
+        mine = listening_addresses(host, rpc["port"])
+        assert mine == [rpc["host"]], (
+            f"ggml-rpc-server port {rpc['port']} is listened on at {mine}, configured only "
+            f"{rpc['host']} (RPC has no authentication: keep it on the private address)"
+        )
+        return
     server = data["server"]
     if not listening_addresses(host, None):
         pytest.skip("the kernel's socket tables list no listener at all here (a sandboxed kernel)")
@@ -353,3 +363,43 @@ def test_decode_speed_floor(api, data):
     speed = json.loads(body)["timings"]["predicted_per_second"]
     print(f"decode: {speed:.1f} tokens/s (floor {floor})")
     assert speed >= floor, f"decode {speed:.1f} tokens/s is below the floor {floor}"
+
+
+# --- RPC (several boxes) --------------------------------------------------------------------
+
+
+def test_rpc_worker_unit_active(host, data):
+    if data["role"] != "rpc-worker":
+        pytest.skip(f"role {data['role']}: no RPC worker unit")
+    service = host.service(data["rpc"]["service"])
+    assert service.is_running, f"{data['rpc']['service']} is not running on this worker"
+    assert service.is_enabled, f"{data['rpc']['service']} is not enabled: it will not start at boot"
+
+
+def test_rpc_workers_reachable_from_the_head(host, data):
+    if data["role"] != "rpc-head":
+        pytest.skip(f"role {data['role']}: no RPC workers to reach")
+    down = []
+    for endpoint in data["rpc"]["endpoints"]:
+        address, _, port = endpoint.rpartition(":")
+        probe = f"exec 3<>/dev/tcp/{address.strip('[]')}/{port}"
+        if host.run(f"timeout 3 bash -c '{probe}'").rc != 0:
+            down.append(endpoint)
+    assert not down, f"RPC workers not reachable from this head: {down} (are they converged?)"
+
+
+def test_head_is_connected_to_its_workers(host, data):
+    """llama-server keeps a connection to every worker whose device holds its layers."""
+    if data["role"] != "rpc-head" or data["server"]["supervisor"] != "systemd":
+        pytest.skip("not an rpc-head under systemd")
+    if not host.exists("ss"):
+        pytest.skip("no ss on this host to list the server's connections")
+    missing = []
+    for endpoint in data["rpc"]["endpoints"]:
+        connected = host.run(f"ss -Htnp state established dst {endpoint}").stdout
+        if '"llama-server"' not in connected:
+            missing.append(endpoint)
+    assert not missing, (
+        f"llama-server holds no connection to the RPC worker(s) {missing}: its layers are not "
+        "there (check -ngl, and that the workers were up when it started)"
+    )

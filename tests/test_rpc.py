@@ -1,0 +1,122 @@
+"""Several boxes: roles, the RPC worker's settings, the head's --rpc list taken from the
+inventory, group defaults from group_data/GROUP.yml, and the rendered worker unit."""
+
+import pytest
+
+from llamarig import render
+from llamarig.config import ConfigError, load_inventory
+from llamarig.plan import plan_host
+from tests.conftest import PROJECT
+
+PAIR = """
+all:
+  vars:
+    driver: {{source: none}}
+    cuda: {{source: none}}
+    llama_cpp: {{backend: cpu}}
+  children:
+    rpc_heads:
+      hosts:
+        head:
+          ssh: {{host: 10.0.0.10}}
+          rpc: {{workers: [{workers}]}}
+          model: {{path: /srv/m.gguf}}
+          server: {{ctx: 4096, gpu_layers: 20{head_extra}}}
+    rpc_workers:
+      hosts:
+        worker1:
+          ssh: {{host: 10.0.0.11}}
+          rpc: {{host: {worker_host}, port: 50052}}
+        worker2:
+          ssh: {{host: 10.0.0.12}}
+          rpc: {{host: "fd00::12", port: 50053, threads: 8, cache: true}}
+"""
+
+
+def pair(write_inventory, workers="worker1, worker2", worker_host="10.0.0.11", head_extra=""):
+    return write_inventory(
+        PAIR.format(workers=workers, worker_host=worker_host, head_extra=head_extra)
+    )
+
+
+def problems(path) -> str:
+    with pytest.raises(ConfigError) as error:
+        load_inventory(path)
+    return "\n".join(error.value.problems)
+
+
+def test_roles_come_from_group_data_and_endpoints_from_the_workers(write_inventory):
+    inventory = load_inventory(pair(write_inventory))
+    head = inventory.hosts["head"].data
+    assert head["role"] == "rpc-head" and head["server"]["split_mode"] == "layer"
+    assert inventory.hosts["worker1"].data["role"] == "rpc-worker"
+    assert head["rpc"]["endpoints"] == ["10.0.0.11:50052", "[fd00::12]:50053"]
+    args = render.server_args(head)
+    assert args[args.index("--rpc") + 1] == "10.0.0.11:50052,[fd00::12]:50053"
+    # A CPU head still offloads layers: to the RPC devices.
+    assert args[args.index("-ngl") + 1] == "20"
+    assert render.cmake_options(head)["GGML_RPC"] == "ON"
+    assert set(inventory.groups) >= {"rpc_heads", "rpc_workers"}
+
+
+def test_worker_builds_and_runs_only_ggml_rpc_server(write_inventory):
+    inventory = load_inventory(pair(write_inventory))
+    worker = inventory.hosts["worker2"].data
+    assert render.build_targets(worker) == ["ggml-rpc-server"]
+    assert render.cmake_options(worker)["GGML_RPC"] == "ON"
+    assert render.rpc_server_args(worker) == [
+        "/opt/llamarig/current/bin/ggml-rpc-server", "-H", "fd00::12", "-p", "50053",
+        "-t", "8", "-c",
+    ]  # fmt: skip
+    unit = render.render_rpc_unit(worker)
+    assert "ExecStart=/opt/llamarig/current/bin/ggml-rpc-server -H fd00::12 -p 50053" in unit
+    for hardening in ("DynamicUser=yes", "ProtectSystem=strict", "NoNewPrivileges=yes"):
+        assert hardening in unit
+    assert render.build_id(worker) != render.build_id(inventory.hosts["head"].data)
+    plan = plan_host("worker2", worker, None)
+    assert "ggml-rpc-server: /opt/llamarig/current/bin/ggml-rpc-server" in plan.report()
+    head_plan = plan_host("head", inventory.hosts["head"].data, None)
+    assert "the network between hosts is the bottleneck" in head_plan.report()
+
+
+@pytest.mark.parametrize(
+    ("changes", "words"),
+    [
+        ({"worker_host": "0.0.0.0"}, "hosts.worker1.rpc.host: '0.0.0.0' would expose"),
+        ({"worker_host": "null"}, "hosts.worker1.rpc.host: is missing"),
+        (
+            {"workers": "worker1, wroker2"},
+            "names `wroker2`, which is not a host of this inventory (did you mean",
+        ),
+        ({"workers": ""}, "hosts.head.rpc.workers: is empty"),
+        ({"head_extra": ", split_mode: tensor"}, "`tensor` does not span hosts"),
+        ({"head_extra": ", tensor_split: auto"}, "not planned across hosts yet"),
+    ],
+)
+def test_bad_rpc_settings_are_refused_by_name(write_inventory, changes, words):
+    assert words in problems(pair(write_inventory, **changes))
+
+
+def test_a_head_cannot_use_a_standalone_box_nor_set_endpoints(write_inventory):
+    text = PAIR.format(workers="solo", worker_host="10.0.0.11", head_extra="")
+    text += """
+    others:
+      hosts:
+        solo:
+          ssh: {host: 10.0.0.13}
+          model: {path: /srv/m.gguf}
+"""
+    assert "names `solo`, which is a `standalone` host" in problems(write_inventory(text))
+    text = PAIR.format(workers="worker1", worker_host="10.0.0.11", head_extra="").replace(
+        "rpc: {workers: [worker1]}", "rpc: {workers: [worker1], endpoints: ['1.2.3.4:1']}"
+    )
+    assert "hosts.head.rpc.endpoints: is derived from rpc.workers" in problems(
+        write_inventory(text)
+    )
+
+
+def test_the_rpc_sandbox_inventory_plans():
+    inventory = load_inventory(PROJECT / "inventory" / "sandbox-rpc.yml")
+    head = inventory.hosts["rpc-head"].data
+    assert head["rpc"]["endpoints"] == ["127.0.0.1:50052"]
+    assert inventory.hosts["rpc-worker"].data["rpc"]["host"] == "127.0.0.1"

@@ -1,0 +1,123 @@
+"""One model served by two boxes: a head and a worker sandbox (Debian trixie booted with
+systemd in systemd-nspawn, SSH on 127.0.0.1:2226 and :2227) converged from one inventory,
+inventory/sandbox-rpc.yml. The worker runs ggml-rpc-server on 127.0.0.1:50052; the head's
+llama-server puts one of the tiny model's two layers on it with --rpc.
+
+Stand-ins, stated plainly: the two boxes share this machine's loopback as their private network;
+the model comes from a loopback HTTP server and llama.cpp from a `git daemon` mirror of the
+pinned commit. The deploy code path is the production one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import urllib.request
+
+import pytest
+
+from llamarig import render
+from llamarig.config import load_inventory
+from tests import sandboxes
+from tests.conftest import PROJECT
+from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+if os.geteuid() != 0:
+    pytest.skip("the sandbox rigs need root (systemd-nspawn)", allow_module_level=True)
+
+INVENTORY = PROJECT / "inventory" / "sandbox-rpc.yml"
+HEAD_URL = "http://127.0.0.1:8086"
+
+
+@pytest.fixture(scope="module")
+def worker():
+    yield from fresh_sandbox("sandbox-rpc-worker", "trixie", 2227)
+
+
+@pytest.fixture(scope="module")
+def head(worker):
+    yield from fresh_sandbox("sandbox-rpc-head", "trixie", 2226)
+
+
+def complete() -> dict:
+    body = json.dumps({"prompt": "Hello", "n_predict": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        f"{HEAD_URL}/completion", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.load(response)
+
+
+def test_head_and_worker_converge_and_serve_with_layers_on_the_worker(head, worker):
+    results = sandboxes.converge(INVENTORY)
+    assert results["totals"]["error"] == 0
+    assert complete()["tokens_predicted"] == 8
+    assert in_sandbox(worker, "systemctl is-active ggml-rpc-server") == "active"
+    cmdline = in_sandbox(
+        head, "tr '\\0' ' ' < /proc/$(systemctl show -P MainPID llama-server)/cmdline"
+    )
+    assert "--rpc 127.0.0.1:50052" in cmdline
+    # The running head holds a connection to the worker ...
+    connections = in_sandbox(head, "ss -Htnp state established dst 127.0.0.1:50052")
+    assert '"llama-server"' in connections, connections
+    # ... and its layers there: the deployed binary, started by hand with the unit's arguments
+    # and `-lv 4` (the only level that logs buffers), shows the RPC device's model buffer. A
+    # worker serves one client at a time, so the unit stops meanwhile.
+    data = load_inventory(INVENTORY).hosts["rpc-head"].data
+    args = render.server_args(data)
+    args[args.index("--port") + 1] = "8099"
+    log = in_sandbox(
+        head,
+        f"systemctl stop llama-server; {shlex.join(args)} -lv 4 > /tmp/lv4.log 2>&1 & pid=$!; "
+        "for i in $(seq 120); do curl -sf http://127.0.0.1:8099/health >/dev/null && break; "
+        "sleep 0.5; done; kill $pid; wait $pid; systemctl start llama-server; cat /tmp/lv4.log",
+    )
+    buffers = [line for line in log.splitlines() if "RPC" in line and "buffer size" in line]
+    print("\n".join(buffers))
+    assert any("model buffer size" in line for line in buffers), log[-3000:]
+
+
+def test_second_converge_changes_nothing(head, worker):
+    results = sandboxes.converge(INVENTORY)
+    assert results["totals"]["success"] == 0, changed_operations(results)
+
+
+def test_verify_checks_the_worker_and_the_head(head, worker):
+    result = sandboxes.verify(INVENTORY, "-v")
+    assert result.returncode == 0, result.stdout[-4000:]
+    for passed in (
+        "test_rpc_workers_reachable_from_the_head[ssh://llamarig-rpc-head] PASSED",
+        "test_head_is_connected_to_its_workers[ssh://llamarig-rpc-head] PASSED",
+        "test_rpc_worker_unit_active[ssh://llamarig-rpc-worker] PASSED",
+        "test_listens_only_where_configured[ssh://llamarig-rpc-worker] PASSED",
+    ):
+        assert passed in result.stdout, result.stdout[-4000:]
+
+
+def test_head_refuses_to_restart_without_its_worker(head, worker, tmp_path):
+    import yaml
+
+    in_sandbox(worker, "systemctl stop ggml-rpc-server")
+    try:
+        document = yaml.safe_load(INVENTORY.read_text())
+        head_vars = document["all"]["children"]["rpc_heads"]["hosts"]["rpc-head"]
+        head_vars["server"]["ctx"] = 1024
+        changed = tmp_path / "sandbox-rpc.yml"
+        changed.write_text(yaml.safe_dump(document))
+        result = deploy(changed, "--limit", "rpc-head")
+        output = result.stdout + result.stderr
+        assert result.returncode != 0
+        assert "RPC worker(s) not reachable from this head: 127.0.0.1:50052" in output, output
+        assert "Restart llama-server" not in output.split("RPC workers answer")[-1]
+    finally:
+        in_sandbox(worker, "systemctl start ggml-rpc-server")
+    # llama.cpp's head aborts when a worker goes away; once the worker is back, a deploy brings
+    # the head back (past the start limit its crash loop hit) and it serves again.
+    results = sandboxes.converge(INVENTORY)
+    assert results["totals"]["error"] == 0
+    assert complete()["tokens_predicted"] == 8
+    results = sandboxes.converge(INVENTORY)
+    assert results["totals"]["success"] == 0, changed_operations(results)
