@@ -409,20 +409,22 @@ def _rpc_inventory_problems(hosts: dict[str, HostConfig]) -> list[str]:
     problems = []
     for host_config in hosts.values():
         rpc = host_config.data["rpc"]
-        if "endpoints" in rpc:
-            problems.append(
+        derived = [key for key in ("endpoints", "worker_gpus") if key in rpc]
+        if derived:
+            problems.extend(
                 _located(
                     host_config,
-                    ("rpc", "endpoints"),
-                    "is derived from rpc.workers (each worker's rpc.host:rpc.port); name the "
-                    "workers instead",
+                    ("rpc", key),
+                    "is derived from rpc.workers (their rpc.host:rpc.port and gpus); name the "
+                    "workers and declare their settings there instead",
                     in_inventory=True,
                 )
+                for key in derived
             )
             continue
         if host_config.data["role"] != "rpc-head":
             continue
-        endpoints = []
+        endpoints, worker_gpus = [], []
         for name in rpc["workers"]:
             worker = hosts.get(name)
             if worker is None or worker.data["role"] != "rpc-worker":
@@ -444,7 +446,40 @@ def _rpc_inventory_problems(hosts: dict[str, HostConfig]) -> list[str]:
             address = worker.data["rpc"]["host"]
             address = f"[{address}]" if ":" in address else address
             endpoints.append(f"{address}:{worker.data['rpc']['port']}")
+            worker_gpus += [{"worker": name, **gpu} for gpu in worker.data["gpus"]]
         rpc["endpoints"] = endpoints
+        rpc["worker_gpus"] = worker_gpus
+        server = host_config.data["server"]
+        split, devices = server["tensor_split"], len(worker_gpus) + len(host_config.data["gpus"])
+        all_declared = all(name in hosts and hosts[name].data["gpus"] for name in rpc["workers"])
+        if isinstance(split, list) and all_declared and len(split) != devices:
+            problems.append(
+                _located(
+                    host_config,
+                    ("server", "tensor_split"),
+                    f"has {len(split)} shares for {devices} devices: the workers' "
+                    f"{len(worker_gpus)} GPUs first (rpc.workers order), then this host's "
+                    f"{len(host_config.data['gpus'])}",
+                    in_inventory=True,
+                )
+            )
+        if "auto" in (server["ctx"], server["tensor_split"]):
+            cpu_workers = [
+                name for name in rpc["workers"] if name in hosts and not hosts[name].data["gpus"]
+            ]
+            if host_config.data["llama_cpp"]["backend"] != "cuda" or cpu_workers:
+                problems.append(
+                    _located(
+                        host_config,
+                        ("server", "ctx" if server["ctx"] == "auto" else "tensor_split"),
+                        "`auto` plans GPU memory across hosts: it needs a cuda head and the "
+                        "`gpus` of every worker"
+                        + (f" (not declared on {', '.join(cpu_workers)})" if cpu_workers else "")
+                        + "; or give numbers (llama.cpp puts the workers' devices first, in "
+                        "rpc.workers order, then the head's GPUs)",
+                        in_inventory=True,
+                    )
+                )
     return problems
 
 
@@ -790,7 +825,8 @@ def semantic_problems(data: dict) -> list[tuple]:
     if isinstance(split, list):
         if not any(split):
             problems.append((("server", "tensor_split"), "needs at least one non-zero share"))
-        if gpus and len(split) != len(gpus):
+        # A head's split also covers its workers' devices (checked across the inventory).
+        if gpus and len(split) != len(gpus) and data["role"] != "rpc-head":
             problems.append(
                 (
                     ("server", "tensor_split"),
@@ -798,7 +834,7 @@ def semantic_problems(data: dict) -> list[tuple]:
                     f"{len(gpus)} declared GPUs; give one share per GPU, in `gpus` order",
                 )
             )
-    if split is not None and backend == "cpu":
+    if split is not None and backend == "cpu" and data["role"] != "rpc-head":
         problems.append(
             (("server", "tensor_split"), "applies to GPUs only; set null for a cpu build")
         )
@@ -926,19 +962,12 @@ def _rpc_role_problems(data: dict) -> list[tuple]:
                     MISSING,
                 )
             )
-        if data["server"]["split_mode"] == "tensor":
+        if data["server"]["split_mode"] != "layer":
             problems.append(
                 (
                     ("server", "split_mode"),
-                    "`tensor` does not span hosts: RPC devices take whole layers; use `layer`",
-                )
-            )
-        if "auto" in (data["server"]["ctx"], data["server"]["tensor_split"]):
-            problems.append(
-                (
-                    ("server", "ctx" if data["server"]["ctx"] == "auto" else "tensor_split"),
-                    "`auto` is not planned across hosts yet; give numbers (the head's GPUs "
-                    "first, then each worker's, in rpc.workers order)",
+                    f"`{data['server']['split_mode']}` does not span hosts: RPC devices take "
+                    "whole layers; use `layer`",
                 )
             )
     return problems

@@ -296,15 +296,22 @@ def plan_host(
             "plans the model"
         )
         return plan
+    worker_gpus = data["rpc"].get("worker_gpus") or [] if data["role"] == "rpc-head" else []
     if data["role"] == "rpc-head":
         workers = data["rpc"].get("endpoints") or data["rpc"]["workers"]
+        planned_across = gpu and worker_gpus
         plan.notes.append(
             f"rpc-head with workers {', '.join(workers)}: "
             "layers on the workers exchange activations over the network at every host boundary "
-            "and the weights travel once at load - the network between hosts is the bottleneck "
-            "(memory across hosts is not planned yet: -ngl and -ts are taken as given)"
+            "and the weights travel once at load - the network between hosts is the bottleneck"
+            + (
+                "; -ts lists the workers' GPUs first (llama.cpp's order), then this host's"
+                if planned_across
+                else " (memory across hosts not planned: -ngl and -ts are taken as given)"
+            )
         )
-        return plan
+        if not planned_across:
+            return plan
     if not gpu:
         if wants_auto:
             errors.append("ctx/tensor_split `auto` plan GPU memory; a cpu rig needs numbers")
@@ -316,8 +323,12 @@ def plan_host(
         return plan
 
     limits = data["planner"]
-    used = list(gpus)
+    # llama.cpp puts RPC devices first: the workers' GPUs, in rpc.workers order, then ours.
+    used = [{**g, "name": f"{g['name']} ({g['worker']})"} for g in worker_gpus] + list(gpus)
     devices = [
+        Device(g["name"], min(g["vram_mib"], g.get("usable_mib") or 1 << 30), limits["reserve_mib"])
+        for g in used[: len(worker_gpus)]
+    ] + [
         Device(
             g["name"],
             min(g["vram_mib"], (declared[i].get("usable_mib") if declared else None) or 1 << 30),
@@ -328,7 +339,7 @@ def plan_host(
     split_mode = server["split_mode"]
     requested = server["tensor_split"] if server["tensor_split"] is not None else "auto"
     if isinstance(requested, list) and 0 in requested:
-        left_out = [g["name"] for g, share in zip(gpus, requested, strict=True) if not share]
+        left_out = [g["name"] for g, share in zip(used, requested, strict=True) if not share]
         plan.notes.append(f"left out of --device (zero share): {', '.join(left_out)}")
         devices = [d for d, share in zip(devices, requested, strict=True) if share]
         used = [g for g, share in zip(used, requested, strict=True) if share]

@@ -175,7 +175,8 @@ def server_args(data: dict) -> list[str]:
     if gpu or endpoints:
         # RPC devices take layers like GPUs do, also on a head built for the CPU.
         args += ["-ngl", str(server["gpu_layers"]), "-sm", server["split_mode"]]
-        devices = cuda_device_names(data["gpus"]) if data["gpus"] else []
+        # A head's --device would leave out the RPC devices (llama.cpp lists them first).
+        devices = cuda_device_names(data["gpus"]) if data["gpus"] and not endpoints else []
         shares = server["tensor_split"]
         if isinstance(shares, list) and devices and 0 in shares:
             # A card left in with a zero share still holds memory (about 2.8 GB in tensor

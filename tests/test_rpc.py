@@ -90,7 +90,8 @@ def test_worker_builds_and_runs_only_ggml_rpc_server(write_inventory):
         ),
         ({"workers": ""}, "hosts.head.rpc.workers: is empty"),
         ({"head_extra": ", split_mode: tensor"}, "`tensor` does not span hosts"),
-        ({"head_extra": ", tensor_split: auto"}, "not planned across hosts yet"),
+        ({"head_extra": ", tensor_split: auto"}, "`auto` plans GPU memory across hosts: it needs"),
+        ({"head_extra": ", split_mode: none"}, "`none` does not span hosts"),
     ],
 )
 def test_bad_rpc_settings_are_refused_by_name(write_inventory, changes, words):
@@ -120,3 +121,65 @@ def test_the_rpc_sandbox_inventory_plans():
     head = inventory.hosts["rpc-head"].data
     assert head["rpc"]["endpoints"] == ["127.0.0.1:50052"]
     assert inventory.hosts["rpc-worker"].data["rpc"]["host"] == "127.0.0.1"
+
+
+def test_a_cuda_head_does_not_narrow_its_devices_to_local_gpus(write_inventory):
+    text = PAIR.format(workers="worker1", worker_host="10.0.0.11", head_extra="")
+    text = text.replace(
+        "          rpc: {workers: [worker1]}\n",
+        "          rpc: {workers: [worker1]}\n"
+        "          llama_cpp: {backend: cuda}\n"
+        "          driver: {source: nvidia-repo}\n"
+        "          cuda: {source: nvidia-repo}\n"
+        "          gpus: [{name: NVIDIA GeForce RTX 3090, vram_mib: 24576, "
+        'compute_capability: "8.6", pci_bus_id: "0000:01:00.0"}]\n',
+    )
+    head = load_inventory(write_inventory(text)).hosts["head"].data
+    args = render.server_args(head)
+    assert "--rpc" in args and "-dev" not in args
+
+
+def test_a_cuda_head_plans_memory_across_its_workers_gpus(write_inventory, tmp_path):
+    """Workers' declared GPUs join the head's in one layer-mode plan, in llama.cpp's order."""
+    from pathlib import Path
+
+    from llamarig.gguf_header import read_gguf_header
+    from tests.ggufmodels import write_llama
+
+    model = write_llama(
+        Path(tmp_path / "m.gguf"), n_layer=32, n_embd=4096, n_ff=14336, n_head=32,
+        n_head_kv=8, n_vocab=128256, context_length=131072, weight_type="q8_0",
+    )  # fmt: skip
+    gpu = '{{name: NVIDIA GeForce RTX {0}, vram_mib: {1}, compute_capability: "8.6"}}'
+    text = PAIR.format(workers="worker1", worker_host="10.0.0.11", head_extra="")
+    text = (
+        text.replace(
+            "          rpc: {workers: [worker1]}\n",
+            "          rpc: {workers: [worker1]}\n"
+            "          llama_cpp: {backend: cuda}\n"
+            "          driver: {source: nvidia-repo}\n"
+            "          cuda: {source: nvidia-repo}\n"
+            f"          gpus: [{gpu.format(3090, 24576)}]\n",
+        )
+        .replace("gpu_layers: 20", "gpu_layers: all, ctx: auto, tensor_split: auto")
+        .replace("server: {ctx: 4096, ", "server: {")
+    )
+    text = text.replace(
+        "          rpc: {host: 10.0.0.11, port: 50052}\n",
+        "          rpc: {host: 10.0.0.11, port: 50052}\n"
+        f"          gpus: [{gpu.format(3060, 12288)}]\n",
+    )
+    head = load_inventory(write_inventory(text)).hosts["head"].data
+    assert [g["worker"] for g in head["rpc"]["worker_gpus"]] == ["worker1"]
+    plan = plan_host("head", head, read_gguf_header(model.read_bytes(), name=str(model)))
+    assert plan.fits, plan.report()
+    names = [device.name for device in plan.memory.devices]
+    assert names == ["NVIDIA GeForce RTX 3060 (worker1)", "NVIDIA GeForce RTX 3090"]
+    share_worker, share_head = plan.resolved["server"]["tensor_split"]
+    assert share_worker < share_head  # the 12 GiB card gets less than the 24 GiB one
+    assert plan.resolved["server"]["ctx"] != "auto"
+    assert "the network between hosts is the bottleneck" in plan.report()
+    wrong = text.replace("tensor_split: auto", "tensor_split: [1, 1, 1]")
+    assert "has 3 shares for 2 devices: the workers' 1 GPUs first" in problems(
+        write_inventory(wrong)
+    )
