@@ -1,5 +1,7 @@
 """Server: the systemd unit and environment file rendered from files/, restarted only when they,
-the build or the model changed, then a bounded wait until it serves."""
+the build or the model changed (or the running process predates them), then a bounded wait
+until it serves, rolling back to the last version that served otherwise. An RPC worker gets its
+ggml-rpc-server unit instead; a head checks its workers before any (re)start."""
 
 import os
 from io import StringIO
@@ -46,12 +48,6 @@ if rig["role"] == "rpc-worker":
         service=rpc_service,
         timeout=60,
         _if=any_changed(worker_started, worker_restarted),
-    )
-    operations.prune_builds(
-        name=f"Keep the newest {rig['llama_cpp']['keep_builds']} builds",
-        builds=paths["builds"],
-        keep=rig["llama_cpp"]["keep_builds"],
-        current=paths["build"],
     )
 else:
     if server["api_key_file"]:
@@ -160,10 +156,10 @@ else:
         # After the wait: a version that was rolled back leaves the launcher of the one that serves.
         put_launcher()
 
-    operations.prune_builds(
-        name=f"Keep the newest {rig['llama_cpp']['keep_builds']} builds",
-        builds=paths["builds"],
-        keep=rig["llama_cpp"]["keep_builds"],
-        current=paths["build"],
-        last_good=(host.get_fact(FileContents, path=f"{paths['last_good']}/current") or [None])[0],
-    )
+operations.prune_builds(
+    name=f"Keep the newest {rig['llama_cpp']['keep_builds']} builds",
+    builds=paths["builds"],
+    keep=rig["llama_cpp"]["keep_builds"],
+    current=paths["build"],
+    last_good=(host.get_fact(FileContents, path=f"{paths['last_good']}/current") or [None])[0],
+)
