@@ -11,7 +11,7 @@ import sys
 
 from llamarig import render
 from llamarig.config import ConfigError, inventory_path, load_inventory
-from llamarig.plan import gpus_from_pci, load_header, plan_host
+from llamarig.plan import HOST_HEADER_READ, gpus_from_pci, header_from_host, load_header, plan_host
 
 
 def _probe(data: dict) -> tuple[list[dict] | None, str, str | None]:
@@ -34,20 +34,13 @@ def host_header(data: dict, model: str | None = None, contact: bool = False):
     """The model's GGUF header: ``model`` (a local copy), the model URL, else the file on the
     host (read in place on a local host; over SSH only when ``contact`` allows it)."""
     from llamarig.facts import FileHead
-    from llamarig.gguf_header import GgufError, read_gguf_header
-    from llamarig.stage import HOST_HEADER_READ
 
     header, note = load_header(data, model)
     if header is not None or not (contact or data["ssh"].get("local")):
         return header, note
     path = render.layout(data)["model"]
     head = FileHead().process(_on_host(data, FileHead().command(path, HOST_HEADER_READ)).stdout)
-    if head is None:
-        return None, f"{note}; {path} is not on the host"
-    try:
-        return read_gguf_header(head, name=path), ""
-    except GgufError as error:
-        return None, f"{note}; {error}"
+    return header_from_host(head, path, note)
 
 
 def _on_host(data: dict, command: str) -> subprocess.CompletedProcess:

@@ -9,6 +9,7 @@ import argparse
 import os
 import re
 import sys
+import time
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -46,6 +47,9 @@ class FileRequestHandler(BaseHTTPRequestHandler):
     root: Path
     server_version = "llamarig-fileserver"
     protocol_version = "HTTP/1.1"
+    # Bytes per write, and a pause after each (tests slow a download down to interrupt it).
+    chunk_bytes = 1 << 20
+    chunk_pause = 0.0
 
     def do_GET(self) -> None:
         self._serve(send_body=True)
@@ -96,11 +100,13 @@ class FileRequestHandler(BaseHTTPRequestHandler):
         """Send `length` bytes from `source`; a client that hangs up early is not an error."""
         try:
             while length > 0:
-                chunk = source.read(min(length, 1 << 20))
+                chunk = source.read(min(length, self.chunk_bytes))
                 if not chunk:
                     break
                 self.wfile.write(chunk)
                 length -= len(chunk)
+                if self.chunk_pause:
+                    time.sleep(self.chunk_pause)
         except (BrokenPipeError, ConnectionResetError):
             self.close_connection = True
 

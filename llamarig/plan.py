@@ -222,6 +222,21 @@ def load_header(data: dict, model_path: str | None = None) -> tuple[GgufHeader |
         return None, f"cannot read the GGUF header from {url}: {error}"
 
 
+# A GGUF header with a 250k-token vocabulary is about 10 MiB; it travels base64 over SSH.
+HOST_HEADER_READ = 16 << 20
+
+
+def header_from_host(head: bytes | None, path: str, reason: str) -> tuple[GgufHeader | None, str]:
+    """The header in the first bytes of the model file on the host (None: no such file), or
+    None with why it cannot be had (``reason``: why the URL gave none)."""
+    if head is None:
+        return None, f"{reason}; {path} is not on the host yet"
+    try:
+        return read_gguf_header(head, name=path), ""
+    except GgufError as error:
+        return None, f"{reason}; {error}"
+
+
 def _mtp_draft(server: dict) -> int:
     if "draft-mtp" not in server["spec"]["type"]:
         return 0

@@ -15,12 +15,15 @@ from pyinfra.connectors.local import LocalConnector
 
 from llamarig.config import ConfigError, rig_data
 from llamarig.facts import FileHead, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.gguf_header import GgufError, read_gguf_header
-from llamarig.plan import HostPlan, gpus_from_pci, load_header, plan_host
+from llamarig.plan import (
+    HOST_HEADER_READ,
+    HostPlan,
+    gpus_from_pci,
+    header_from_host,
+    load_header,
+    plan_host,
+)
 from llamarig.render import layout
-
-# A GGUF header with a 250k-token vocabulary is about 10 MiB; it travels base64 over SSH.
-HOST_HEADER_READ = 16 << 20
 
 _rigs: dict[str, dict] = {}
 _plans: dict[str, HostPlan] = {}
@@ -70,13 +73,7 @@ def _model_header(data: dict):
     if header is not None:
         return header, ""
     path = layout(data)["model"]
-    head = host.get_fact(FileHead, path=path, size=HOST_HEADER_READ)
-    if head is None:
-        return None, f"{reason}; {path} is not on the host yet"
-    try:
-        return read_gguf_header(head, name=path), ""
-    except GgufError as error:
-        return None, f"{reason}; {error}"
+    return header_from_host(host.get_fact(FileHead, path=path, size=HOST_HEADER_READ), path, reason)
 
 
 def refuse(problems: list[str]) -> None:

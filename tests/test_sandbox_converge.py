@@ -435,28 +435,20 @@ class ThrottledFiles:
 
     def __init__(self, root: Path) -> None:
         import threading
-        import time
 
         from llamarig.fileserver import make_server
 
         self.ranges: list[str | None] = []
         server = make_server(root, 0)
-        handler, ranges = server.RequestHandlerClass, self.ranges
+        ranges, serve = self.ranges, server.RequestHandlerClass._serve
 
-        def slow_copy(self, source, length):
-            ranges.append(self.headers.get("Range"))
-            try:
-                while length > 0:
-                    chunk = source.read(min(length, 256 << 10))
-                    if not chunk:
-                        break
-                    self.wfile.write(chunk)
-                    length -= len(chunk)
-                    time.sleep(0.125)
-            except (BrokenPipeError, ConnectionResetError):
-                self.close_connection = True
+        def recorded(handler, send_body: bool) -> None:
+            ranges.append(handler.headers.get("Range"))
+            serve(handler, send_body)
 
-        handler._copy = slow_copy
+        server.RequestHandlerClass.chunk_bytes = 256 << 10
+        server.RequestHandlerClass.chunk_pause = 0.125
+        server.RequestHandlerClass._serve = recorded
         self.server = server
         self.port = server.server_address[1]
         threading.Thread(target=server.serve_forever, daemon=True).start()
