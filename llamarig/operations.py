@@ -351,7 +351,7 @@ def prune_builds(builds: str, keep: int, current: str, last_good: str | None = N
             yield f"rm -rf {shlex.quote(f'{builds}/{name}')}"
 
 
-def _tcp_probe(endpoint: str) -> str:
+def tcp_probe(endpoint: str) -> str:
     """A shell test that succeeds when ``endpoint`` (host:port, [v6]:port) accepts TCP."""
     address, _, port = endpoint.rpartition(":")
     address = address.strip("[]")
@@ -377,7 +377,7 @@ def wait_for_port(endpoint: str, service: str, timeout: int):
     quoted = shlex.quote(service)
     yield f"""
 deadline=$(( $(date +%s) + {int(timeout)} ))
-until {_tcp_probe(endpoint)}; do
+until {tcp_probe(endpoint)}; do
   if [ $(date +%s) -ge $deadline ] || [ "$(systemctl show -P SubState {quoted})" = auto-restart ]
   then
     echo "llamarig: {service} does not accept connections on {endpoint}; its journal:" >&2
@@ -404,7 +404,7 @@ def check_rpc_workers(endpoints: list[str]):
         check_rpc_workers(endpoints=["10.0.0.12:50052", "10.0.0.13:50052"])
     """
     checks = "\n".join(
-        f'{_tcp_probe(endpoint)} || down="$down {endpoint}"' for endpoint in endpoints
+        f'{tcp_probe(endpoint)} || down="$down {endpoint}"' for endpoint in endpoints
     )
     yield f"""
 down=""

@@ -339,17 +339,12 @@ def plan_host(
 
     limits = data["planner"]
     # llama.cpp puts RPC devices first: the workers' GPUs, in rpc.workers order, then ours.
+    local_caps = [(declared[i].get("usable_mib") if declared else None) for i in range(len(gpus))]
     used = [{**g, "name": f"{g['name']} ({g['worker']})"} for g in worker_gpus] + list(gpus)
+    caps = [g.get("usable_mib") for g in worker_gpus] + local_caps
     devices = [
-        Device(g["name"], min(g["vram_mib"], g.get("usable_mib") or 1 << 30), limits["reserve_mib"])
-        for g in used[: len(worker_gpus)]
-    ] + [
-        Device(
-            g["name"],
-            min(g["vram_mib"], (declared[i].get("usable_mib") if declared else None) or 1 << 30),
-            limits["reserve_mib"],
-        )
-        for i, g in enumerate(gpus)
+        Device(g["name"], min(g["vram_mib"], cap or 1 << 30), limits["reserve_mib"])
+        for g, cap in zip(used, caps, strict=True)
     ]
     split_mode = server["split_mode"]
     requested = server["tensor_split"] if server["tensor_split"] is not None else "auto"

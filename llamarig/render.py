@@ -16,7 +16,7 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from llamarig import PROJECT_DIR
-from llamarig.config import model_filename
+from llamarig.config import WILDCARD_HOSTS, model_filename
 from llamarig.hardware import cuda_architectures
 
 TEMPLATES_DIR = PROJECT_DIR / "files"
@@ -266,8 +266,9 @@ def systemd_quote(arg: str) -> str:
     return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def service_environment(data: dict) -> dict[str, str]:
-    service = data["server"]["service"]
+def service_environment(data: dict, service: str | None = None) -> dict[str, str]:
+    """Environment of a unit (the server's, or ``service``, e.g. the RPC worker's)."""
+    service = service or data["server"]["service"]
     environment = {
         # State and cache directories of the unit: llama.cpp needs a writable HOME/cache.
         "HOME": f"/var/lib/{service}",
@@ -332,10 +333,7 @@ def render_rpc_unit(data: dict) -> str:
             service=rpc["service"],
             exec_start=" ".join(systemd_quote(arg) for arg in rpc_server_args(data)),
             gpu=data["llama_cpp"]["backend"] == "cuda",
-            prefix=data["paths"]["prefix"],
-            environment=service_environment(
-                {**data, "server": {**data["server"], "service": rpc["service"]}}
-            ),
+            environment=service_environment(data, rpc["service"]),
         )
     )
 
@@ -344,13 +342,18 @@ def render_unit(data: dict) -> str:
     return _templates().get_template("llama-server.service.j2").render(**unit_context(data))
 
 
+def _with_api_key(data: dict, key_path: str) -> list[str]:
+    """server_args, plus --api-key-file ``key_path`` when the rig has an API key."""
+    args = server_args(data)
+    if data["server"]["api_key_file"]:
+        args += ["--api-key-file", key_path]
+    return args
+
+
 def unit_command_line(data: dict) -> list[str]:
     """The command line the unit's main process runs (systemd expands %d, the credentials
     directory, in the API key argument)."""
-    args = server_args(data)
-    if data["server"]["api_key_file"]:
-        args += ["--api-key-file", f"/run/credentials/{data['server']['service']}.service/api-key"]
-    return args
+    return _with_api_key(data, f"/run/credentials/{data['server']['service']}.service/api-key")
 
 
 def running_differs(data: dict, running: dict) -> list[str]:
@@ -378,9 +381,7 @@ def render_launcher(data: dict) -> str:
     `llamarig run` starts it where no systemd runs the server (a container) or to debug a rig;
     it runs as the caller (root), without the unit's sandbox.
     """
-    args = server_args(data)
-    if data["server"]["api_key_file"]:
-        args += ["--api-key-file", API_KEY_PATH]
+    args = _with_api_key(data, API_KEY_PATH)
     environment = service_environment(data)
     home = shlex.quote(environment["HOME"])
     lines = [
@@ -429,7 +430,7 @@ def nvidia_keyring_url(data: dict, distribution_dir: str) -> str:
 def base_url(data: dict) -> str:
     """Where the deploy host reaches the server (a wildcard address is reached on loopback)."""
     host = data["server"]["host"]
-    if host in ("0.0.0.0", "::", ""):
+    if host in WILDCARD_HOSTS:
         host = "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"

@@ -116,12 +116,16 @@ else:
             _if=lambda: unit.did_change() or needs_reload,
         )
         inputs = [unit, env_file, *stage.recorded("server")]
+
+        def out_of_date() -> bool:
+            return any_changed(*inputs)() or bool(stale)
+
         if rig["role"] == "rpc-head":
             # A head (re)started without its workers cannot load the model: check them first.
             operations.check_rpc_workers(
                 name=f"RPC workers answer: {', '.join(rig['rpc']['endpoints'])}",
                 endpoints=rig["rpc"]["endpoints"],
-                _if=lambda: not running or any_changed(*inputs)() or bool(stale),
+                _if=lambda: not running or out_of_date(),
             )
         if not running:
             # A unit that crash-looped into its start limit (a head whose worker went away, say)
@@ -139,7 +143,7 @@ else:
         restarted = operations.restart_service(
             name=f"Restart {service} (unit, environment, build or model changed, or out of date)",
             service=service,
-            _if=lambda: (any_changed(*inputs)() or bool(stale)) and not started.did_change(),
+            _if=lambda: out_of_date() and not started.did_change(),
         )
         stage.record("serving", *inputs, started)
         operations.serve_or_roll_back(

@@ -261,26 +261,22 @@ def listening_addresses(host, port: int | None) -> list[str]:
 
 
 def test_listens_only_where_configured(host, data, derived):
-    if data["role"] == "rpc-worker":
-        rpc = data["rpc"]
-        if not listening_addresses(host, None):
-            pytest.skip("the kernel's socket tables list no listener at all here")
-        mine = listening_addresses(host, rpc["port"])
-        assert mine == [rpc["host"]], (
-            f"ggml-rpc-server port {rpc['port']} is listened on at {mine}, configured only "
-            f"{rpc['host']} (RPC has no authentication: keep it on the private address)"
-        )
-        return
-    server = data["server"]
+    worker = data["role"] == "rpc-worker"
+    # An RPC worker listens for its head; everything else serves the API.
+    address, port = (
+        (data["rpc"]["host"], data["rpc"]["port"])
+        if worker
+        else (data["server"]["host"], data["server"]["port"])
+    )
     if not listening_addresses(host, None):
         pytest.skip("the kernel's socket tables list no listener at all here (a sandboxed kernel)")
-    mine = listening_addresses(host, server["port"])
-    assert mine == [server["host"]], (
-        f"port {server['port']} is listened on at {mine}, configured only {server['host']}"
+    mine = listening_addresses(host, port)
+    assert mine == [address], f"port {port} is listened on at {mine}, configured only {address}" + (
+        " (RPC has no authentication: keep it on the private address)" if worker else ""
     )
-    if server["host"] not in LOOPBACK_HOSTS:
+    if not worker and address not in LOOPBACK_HOSTS:
         assert derived["api_key"], (
-            f"llama-server listens on {server['host']} (not loopback) without an API key: "
+            f"llama-server listens on {address} (not loopback) without an API key: "
             "anyone on the network can use it; set an API key or listen on 127.0.0.1"
         )
 
@@ -379,12 +375,9 @@ def test_rpc_worker_unit_active(host, data):
 def test_rpc_workers_reachable_from_the_head(host, data):
     if data["role"] != "rpc-head":
         pytest.skip(f"role {data['role']}: no RPC workers to reach")
-    down = []
-    for endpoint in data["rpc"]["endpoints"]:
-        address, _, port = endpoint.rpartition(":")
-        probe = f"exec 3<>/dev/tcp/{address.strip('[]')}/{port}"
-        if host.run(f"timeout 3 bash -c '{probe}'").rc != 0:
-            down.append(endpoint)
+    from llamarig.operations import tcp_probe
+
+    down = [endpoint for endpoint in data["rpc"]["endpoints"] if host.run(tcp_probe(endpoint)).rc]
     assert not down, f"RPC workers not reachable from this head: {down} (are they converged?)"
 
 
