@@ -266,21 +266,24 @@ def serve_and_measure(label: str, inventory: Path, model: Path) -> dict:
     return entry
 
 
-def sweep_configs(mixed_ratio: list[float], full: bool) -> list[dict]:
+def sweep_configs(mixed_ratio: list[float]) -> list[dict]:
     """The sweep, most telling rows first (a run cut short still answers the main question):
-    tensor 1:1, one GPU, pipeline; with ``full`` also the uneven ratios and the mixed rig's
-    planned ratio; NCCL built in, and tensor 1:1 without it."""
+    tensor 1:1, one GPU, the mixed rig's planned ratio and its neighbour 3:2, pipeline, the
+    other ratios; NCCL built in, and tensor 1:1 without it."""
     planned = "/".join(f"{share:g}" for share in mixed_ratio)
     configs = [
         {"label": "tensor 1:1", "sm": "tensor", "ts": "1/1"},
         {"label": "none (1 GPU)", "sm": "none", "ts": None},
-        {"label": "layer 1:1", "sm": "layer", "ts": "1/1"},
     ]
-    if full:
-        configs += [
-            {"label": f"tensor {ts.replace('/', ':')}", "sm": "tensor", "ts": ts}
-            for ts in (planned, "2/3", "1/3")
-        ]
+    configs += [
+        {"label": f"tensor {ts.replace('/', ':')}", "sm": "tensor", "ts": ts}
+        for ts in (planned, "3/2")
+    ]
+    configs.append({"label": "layer 1:1", "sm": "layer", "ts": "1/1"})
+    configs += [
+        {"label": f"tensor {ts.replace('/', ':')}", "sm": "tensor", "ts": ts}
+        for ts in ("2/3", "1/3")
+    ]
     for config in configs:
         config["nccl"] = True
     configs.append({"label": "tensor 1:1 no NCCL", "sm": "tensor", "ts": "1/1", "nccl": False})
@@ -304,6 +307,7 @@ def llama_bench(binary: str, model: Path, config: dict, log_name: str) -> dict:
         "avg_ts": record["avg_ts"],
         "stddev_ts": record["stddev_ts"],
         "samples_ts": record.get("samples_ts"),
+        "n_threads": record.get("n_threads"),
         "peak_mib": peak.peak,
     }
 
@@ -378,6 +382,12 @@ def main() -> int:
     rig_32b = derived_inventory(RIG, "rig-32b", {**build_override})
     rig_8b = derived_inventory(RIG, "rig-8b", {"model": {"path": str(model_8b)}, **build_override})
     rig_mixed = derived_inventory(MIXED, "rig-mixed", {**build_override})
+    # The 8B on one GPU too: the sweep may show one card beats a split for a model this small.
+    rig_8b_single = derived_inventory(
+        RIG,
+        "rig-8b-single",
+        {"model": {"path": str(model_8b)}, "server": {"split_mode": "none"}, **build_override},
+    )
     results["cuda_architectures"] = architectures or data["llama_cpp"]["cuda_architectures"]
 
     def write_model(name: str) -> float:
@@ -462,6 +472,7 @@ def main() -> int:
         ("8b-planned", rig_8b, model_8b),
         ("32b-planned", rig_32b, model_32b),
         ("32b-mixed", rig_mixed, model_32b),
+        ("8b-single", rig_8b_single, model_8b),
     ):
         try:
             results["servers"][label] = serve_and_measure(label, inventory, model)
@@ -478,10 +489,8 @@ def main() -> int:
         False: str(nonccl_dir / "bin/llama-bench"),
     }
     results["sweep"] = {}
-    configs = {
-        model: sweep_configs(mixed_ratio, full=model == model_32b)
-        for model in (model_32b, model_8b)
-    }
+    # The 8B first: its rows take seconds each, the 32.5B's most of a minute (the load).
+    configs = {model: sweep_configs(mixed_ratio) for model in (model_8b, model_32b)}
     # Every row with NCCL first, both models; the no-NCCL rows last, once their build is done.
     for with_nccl in (True, False):
         if not with_nccl:

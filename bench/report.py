@@ -13,6 +13,7 @@ from pathlib import Path
 SERVER_SWEEP_ROW = {
     "32b-planned": ("llama-32b-q8_0", "tensor 1:1"),
     "8b-planned": ("llama-8b-q8_0", "tensor 1:1"),
+    "8b-single": ("llama-8b-q8_0", "none (1 GPU)"),
 }
 PLANNER_WITHIN = 0.03
 SERVER_AT_LEAST = 0.95

@@ -377,7 +377,10 @@ def plan_host(
         return plan
     plan.memory = memory
     server["ctx"] = memory.ctx
-    if split_mode != "none" and server["tensor_split"] in ("auto", None):
+    if split_mode == "none":
+        # One card: llama.cpp ignores -ts there, so the plan has no split to pass.
+        server["tensor_split"] = None
+    elif server["tensor_split"] in ("auto", None):
         if server["tensor_split"] == "auto" or split_mode == "tensor":
             # Tensor mode without -ts splits evenly, which over-fills the smaller card.
             server["tensor_split"] = [round(share, 3) for share in memory.ratio]

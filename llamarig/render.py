@@ -183,6 +183,9 @@ def server_args(data: dict) -> list[str]:
             # mode): leave it out of --device instead.
             devices = [name for name, share in zip(devices, shares, strict=True) if share]
             shares = [share for share in shares if share]
+        if server["split_mode"] == "none":
+            # One card: without -dev llama.cpp would still open a context on every GPU.
+            devices = devices[:1]
         if devices:
             args += ["-dev", ",".join(devices)]
         if shares is not None:

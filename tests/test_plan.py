@@ -75,6 +75,17 @@ def test_seed_rig_auto_split_is_near_two_to_three(seed, qwen_header):
     )
 
 
+def test_single_gpu_mode_plans_the_first_card_without_a_split(seed, llama_8b_header):
+    seed["server"].update(split_mode="none", tensor_split="auto", ctx=8192)
+    seed["server"]["spec"] = {"type": [], "draft_max": None}
+    plan = plan_host("rig1", seed, llama_8b_header)
+    assert plan.fits, plan.report()
+    assert plan.resolved["server"]["tensor_split"] is None
+    assert [d.name for d in plan.memory.devices] == [RTX_5080["name"]]
+    args = plan.server_args
+    assert "-ts" not in args and args[args.index("-dev") + 1] == "CUDA1"
+
+
 def test_default_margin_refuses_the_seed_with_mtp_and_says_what_fits(seed, qwen_header):
     seed["planner"]["margin_mib"] = 1024
     plan = plan_host("rig1", seed, qwen_header)

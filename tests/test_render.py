@@ -49,6 +49,15 @@ def test_seed_rig_devices_follow_declaration_not_slot_order(seed_rig):
     assert render.service_environment(seed_rig)["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
 
 
+def test_single_gpu_mode_names_one_device_and_no_split(seed_rig):
+    rig = copy.deepcopy(seed_rig)
+    rig["server"].update(split_mode="none", tensor_split=None)
+    args = render.server_args(rig)
+    assert flag_value(args, "-sm") == "none"
+    assert flag_value(args, "-dev") == "CUDA1"  # the first declared card, the 5080
+    assert "-ts" not in args
+
+
 def test_devices_without_bus_ids_are_in_declared_order():
     gpus = [{"name": "a"}, {"name": "b"}, {"name": "c"}]
     assert render.cuda_device_names(gpus) == ["CUDA0", "CUDA1", "CUDA2"]
