@@ -343,6 +343,38 @@ def decode_bytes(model: Path) -> int:
     return sum(t.n_bytes for t in header.tensors if t.name != "token_embd.weight")
 
 
+def vocab_file() -> Path:
+    """Llama 3's tokenizer, from the carried llama.cpp mirror."""
+    vocab = WORK / "vocab-llama-bpe.gguf"
+    if not vocab.exists():
+        git = ["git", f"--git-dir={WORK / 'llama.cpp.git'}"]
+        show = git + ["show", "HEAD:models/ggml-vocab-llama-bpe.gguf"]
+        vocab.write_bytes(subprocess.check_output(show))
+    return vocab
+
+
+def write_model(name: str) -> float:
+    command = [sys.executable, "bench/models.py", str(MODELS), str(vocab_file()), name]
+    return round(run(command, "models.log"), 1)
+
+
+def rig_files() -> dict[str, Path]:
+    """The committed rig files, each with its model's path; BENCH_CUDA_ARCHITECTURES builds for
+    fewer architectures when the device time is short (the RESULTS say so)."""
+    architectures = os.environ.get("BENCH_CUDA_ARCHITECTURES")
+    build = {"llama_cpp": {"cuda_architectures": architectures}} if architectures else {}
+    model_8b = {"model": {"path": str(MODELS / "llama-8b-q8_0.gguf")}}
+    return {
+        "32b": derived_inventory(RIG, "rig-32b", build),
+        "8b": derived_inventory(RIG, "rig-8b", {**model_8b, **build}),
+        "mixed": derived_inventory(MIXED, "rig-mixed", build),
+        # The 8B on one GPU too: the sweep may show one card beats a split for a model this small.
+        "8b-single": derived_inventory(
+            RIG, "rig-8b-single", {**model_8b, "server": {"split_mode": "none"}, **build}
+        ),
+    }
+
+
 def main() -> int:
     (OUT / "logs").mkdir(parents=True, exist_ok=True)
     results["machine"] = {
@@ -362,37 +394,11 @@ def main() -> int:
     results["commit"] = data["llama_cpp"]["commit"]
     save()
 
-    vocab = WORK / "vocab-llama-bpe.gguf"
-    if not vocab.exists():
-        vocab.write_bytes(
-            subprocess.check_output(
-                [
-                    "git",
-                    f"--git-dir={WORK / 'llama.cpp.git'}",
-                    "show",
-                    "HEAD:models/ggml-vocab-llama-bpe.gguf",
-                ]
-            )
-        )
     model_32b, model_8b = MODELS / "llama-32b-q8_0.gguf", MODELS / "llama-8b-q8_0.gguf"
-    # The committed rig files, each with its model's path; BENCH_CUDA_ARCHITECTURES builds for
-    # fewer architectures when the device time is short (the RESULTS say so).
+    rigs = rig_files()
+    rig_32b, rig_8b, rig_mixed = rigs["32b"], rigs["8b"], rigs["mixed"]
     architectures = os.environ.get("BENCH_CUDA_ARCHITECTURES")
-    build_override = {"llama_cpp": {"cuda_architectures": architectures}} if architectures else {}
-    rig_32b = derived_inventory(RIG, "rig-32b", {**build_override})
-    rig_8b = derived_inventory(RIG, "rig-8b", {"model": {"path": str(model_8b)}, **build_override})
-    rig_mixed = derived_inventory(MIXED, "rig-mixed", {**build_override})
-    # The 8B on one GPU too: the sweep may show one card beats a split for a model this small.
-    rig_8b_single = derived_inventory(
-        RIG,
-        "rig-8b-single",
-        {"model": {"path": str(model_8b)}, "server": {"split_mode": "none"}, **build_override},
-    )
     results["cuda_architectures"] = architectures or data["llama_cpp"]["cuda_architectures"]
-
-    def write_model(name: str) -> float:
-        command = [sys.executable, "bench/models.py", str(MODELS), str(vocab), name]
-        return round(run(command, "models.log"), 1)
 
     log("writing the 8B model")
     results["model_write_seconds"] = {"llama-8b": write_model("llama-8b")}
@@ -472,7 +478,7 @@ def main() -> int:
         ("8b-planned", rig_8b, model_8b),
         ("32b-planned", rig_32b, model_32b),
         ("32b-mixed", rig_mixed, model_32b),
-        ("8b-single", rig_8b_single, model_8b),
+        ("8b-single", rigs["8b-single"], model_8b),
     ):
         try:
             results["servers"][label] = serve_and_measure(label, inventory, model)

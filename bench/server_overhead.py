@@ -1,7 +1,7 @@
-"""Where the deployed server's decode time goes next to llama-bench's, on the GPU machine after
-bench/run.sh (its rig files and models in /srv/llamarig): the deployed server as planned and with
-one or two llama-server flags added through `llamarig run -- FLAGS` (CPU threads, backend
-sampling, a small context), and llama-bench at the same thread counts, side by side in one run.
+"""Where the deployed server's decode time goes next to llama-bench's, on the GPU machine (the
+models and the deploy are made first unless bench/run.sh left them in /srv/llamarig): the
+deployed server as planned and with llama-server flags added through `llamarig run -- FLAGS`
+(CPU threads, backend sampling), and llama-bench at the same thread counts, in one run.
 
 python3 bench/server_overhead.py  ->  $OUT/overhead.json
 """
@@ -14,19 +14,31 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.gpu_bench import BENCH_FLAGS, ROOT, SAMPLING, WORK, completion, env_for  # noqa: E402
+from bench.gpu_bench import (  # noqa: E402
+    BENCH_FLAGS,
+    MODELS,
+    ROOT,
+    SAMPLING,
+    WORK,
+    completion,
+    deploy,
+    env_for,
+    rig_files,
+    write_model,
+)
 
 OUT = Path(os.environ.get("OUT") or ROOT / "bench" / "out")
 BENCH = "/opt/llamarig/current/bin/llama-bench"
 VARIANTS = {
-    "llama-8b-q8_0": [[], ["-t", "1"], ["-bs"], ["-t", "1", "-bs"], ["-c", "4096"]],
-    "llama-32b-q8_0": [[], ["-t", "1"], ["-t", "1", "-bs"]],
+    "llama-8b-q8_0": [[], ["-t", "1"], ["-bs"], ["-t", "1", "-bs"]],
+    "llama-32b-q8_0": [[], ["-t", "1", "-bs"]],
 }
 RIGS = {"llama-8b-q8_0": WORK / "rig-8b.yml", "llama-32b-q8_0": WORK / "rig-32b.yml"}
 results: dict = {"server": {}, "bench": {}}
@@ -77,8 +89,25 @@ def bench(model: str, threads: str) -> float | str:
     return round(json.loads(result.stdout)[0]["avg_ts"], 1)
 
 
+def prepare() -> None:
+    """The models and the 8B rig's deploy (the build), unless an earlier run left them."""
+    (OUT / "logs").mkdir(parents=True, exist_ok=True)
+    rigs = rig_files()
+    if not (MODELS / "llama-8b-q8_0.gguf").exists():
+        write_model("llama-8b")
+    if not (MODELS / "llama-32b-q8_0.gguf").exists():
+        writer = threading.Thread(target=write_model, args=("llama-32b",))
+        writer.start()
+        results["deploy"] = deploy(rigs["8b"], "deploy-overhead.log")
+        writer.join()
+    else:
+        results["deploy"] = deploy(rigs["8b"], "deploy-overhead.log")
+    print("deploy", results["deploy"]["seconds"], "s", flush=True)
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
+    prepare()
     for model, variants in VARIANTS.items():
         results["bench"][model] = {t: bench(model, t) for t in ("1", "32")}
         save()
