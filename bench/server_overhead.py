@@ -1,7 +1,7 @@
 """Where the deployed server's decode time goes next to llama-bench's, on the GPU machine (the
 models and the deploy are made first unless bench/run.sh left them in /srv/llamarig): the
 deployed server as planned and with llama-server flags added through `llamarig run -- FLAGS`
-(CPU threads, backend sampling), and llama-bench at the same thread counts, in one run.
+(CPU threads, context size, backend sampling), and llama-bench at two thread counts, in one run.
 
 python3 bench/server_overhead.py  ->  $OUT/overhead.json
 """
@@ -14,7 +14,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -26,7 +25,6 @@ from bench.gpu_bench import (  # noqa: E402
     MODELS,
     ROOT,
     SAMPLING,
-    WORK,
     completion,
     deploy,
     env_for,
@@ -36,11 +34,19 @@ from bench.gpu_bench import (  # noqa: E402
 
 OUT = Path(os.environ.get("OUT") or ROOT / "bench" / "out")
 BENCH = "/opt/llamarig/current/bin/llama-bench"
-VARIANTS = {
-    "llama-8b-q8_0": [[], ["-t", "1"], ["-bs"], ["-t", "1", "-bs"]],
-    "llama-32b-q8_0": [[], ["-t", "1", "-bs"]],
-}
-RIGS = {"llama-8b-q8_0": WORK / "rig-8b.yml", "llama-32b-q8_0": WORK / "rig-32b.yml"}
+MODEL_8B = MODELS / "llama-8b-q8_0.gguf"
+# (rig, llama-server flags added to the planned command line): the planned 8B tensor 1:1 rig,
+# at llama-bench's small context too, and on one GPU with and without backend sampling (which
+# llama.cpp does not support in tensor mode: it logs so and samples on the CPU).
+VARIANTS = [
+    ("8b", []),
+    ("8b", ["-t", "1"]),
+    ("8b", ["-c", "512"]),
+    ("8b", ["-c", "4096"]),
+    ("8b-single", []),
+    ("8b-single", ["-bs"]),
+]
+BENCH_SPLITS = {"8b": ["-sm", "tensor", "-ts", "1/1"], "8b-single": ["-sm", "none"]}
 results: dict = {"server": {}, "bench": {}}
 
 
@@ -48,11 +54,13 @@ def save() -> None:
     (OUT / "overhead.json").write_text(json.dumps(results, indent=2))
 
 
-def served(model: str, extra: list[str]) -> dict:
-    log = open(OUT / f"server-{model}-{'_'.join(extra) or 'planned'}.log", "w")
+def served(rig: Path, extra: list[str]) -> dict:
+    log = open(OUT / f"server-{rig.stem}-{'_'.join(extra) or 'planned'}.log", "w")
+    # The launcher `llamarig run` execs is the last deploy's: deploy this rig first (no build).
+    deploy(rig, f"deploy-{rig.stem}.log")
     server = subprocess.Popen(
         [sys.executable, "-m", "llamarig.cli", "run", "--", *extra],
-        cwd=ROOT, env=env_for(RIGS[model]), stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT, env=env_for(rig), stdout=log, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
     try:
@@ -80,42 +88,37 @@ def served(model: str, extra: list[str]) -> dict:
         log.close()
 
 
-def bench(model: str, threads: str) -> float | str:
-    command = [BENCH, "-m", str(WORK / "models" / f"{model}.gguf"), "-sm", "tensor", "-ts", "1/1",
-               *BENCH_FLAGS, "-t", threads, "-o", "json"]  # fmt: skip
+def bench(rig: str, threads: str) -> float | str:
+    command = [BENCH, "-m", str(MODEL_8B), *BENCH_SPLITS[rig], *BENCH_FLAGS, "-t", threads,
+               "-o", "json"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
         return result.stderr.strip()[-300:]
     return round(json.loads(result.stdout)[0]["avg_ts"], 1)
 
 
-def prepare() -> None:
-    """The models and the 8B rig's deploy (the build), unless an earlier run left them."""
+def prepare() -> dict[str, Path]:
+    """The 8B model and its rig's deploy (the build), unless an earlier run left them."""
     (OUT / "logs").mkdir(parents=True, exist_ok=True)
     rigs = rig_files()
-    if not (MODELS / "llama-8b-q8_0.gguf").exists():
+    if not MODEL_8B.exists():
         write_model("llama-8b")
-    if not (MODELS / "llama-32b-q8_0.gguf").exists():
-        writer = threading.Thread(target=write_model, args=("llama-32b",))
-        writer.start()
-        results["deploy"] = deploy(rigs["8b"], "deploy-overhead.log")
-        writer.join()
-    else:
-        results["deploy"] = deploy(rigs["8b"], "deploy-overhead.log")
+    results["deploy"] = deploy(rigs["8b"], "deploy-overhead.log")
     print("deploy", results["deploy"]["seconds"], "s", flush=True)
+    return rigs
 
 
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
-    prepare()
-    for model, variants in VARIANTS.items():
-        results["bench"][model] = {t: bench(model, t) for t in ("1", "32")}
+    rigs = prepare()
+    for rig in BENCH_SPLITS:
+        results["bench"][rig] = {threads: bench(rig, threads) for threads in ("1", "32")}
         save()
-        for extra in variants:
-            label = " ".join(extra) or "as planned"
-            results["server"].setdefault(model, {})[label] = served(model, extra)
-            print(model, label, results["server"][model][label], flush=True)
-            save()
+    for rig, extra in VARIANTS:
+        label = f"{rig} {' '.join(extra) or 'as planned'}"
+        results["server"][label] = served(rigs[rig], extra)
+        print(label, results["server"][label], flush=True)
+        save()
     return 0
 
 
