@@ -1,6 +1,6 @@
 """Turn bench/gpu_bench.py's results.json into RESULTS.md and decode.png.
 
-python3 bench/report.py RESULTS_JSON OUT_DIR
+python3 bench/report.py RESULTS_JSON OUT_DIR   (overhead.json beside RESULTS_JSON is added)
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def verdicts(results: dict) -> list[str]:
     return lines
 
 
-def markdown(results: dict) -> str:
+def markdown(results: dict, overhead: dict | None = None) -> str:
     machine = results.get("machine", {})
     bandwidth = results.get("bandwidth_gbs") or [0.0]
     out = [
@@ -201,9 +201,46 @@ def markdown(results: dict) -> str:
         "llama.cpp keeps in host memory) over the measured copy bandwidth, for the GPU that reads "
         "the most (all of it for `none` and `layer`, the largest share in tensor mode). It "
         "ignores the KV cache (tiny at 128 tokens) and the all-reduce.",
-        "",
     ]
-    return "\n".join(out)
+    if overhead:
+        out += overhead_section(overhead)
+    return "\n".join(out) + "\n"
+
+
+def overhead_section(overhead: dict) -> list[str]:
+    """bench/server_overhead.py's table: the 8B server with flags added, against llama-bench at
+    the same split, and the time per token the server adds."""
+    out = [
+        "",
+        "## Server against llama-bench: what the gap is made of",
+        "",
+        (
+            f"Run {overhead['started']} - {overhead.get('finished', 'unfinished')}"
+            if "started" in overhead
+            else "Run times not recorded (the script's first version)"
+        )
+        + " (`bench/server_overhead.py`, its own machine): the deployed 8B server as planned and "
+        "with flags added through `llamarig run -- FLAGS`, each a fresh server process, "
+        "medians of 5 completions; llama-bench with the same split at 1 and 32 threads.",
+        "",
+        "| rig | flags added | server t/s, greedy | server t/s, default | llama-bench t/s "
+        "(-t 1 / -t 32) | server / llama-bench | ms per token added |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, entry in overhead.get("server", {}).items():
+        rig, _, flags = label.partition(" ")
+        bench = overhead.get("bench", {}).get(rig, {})
+        if "error" in entry or not bench:
+            out.append(f"| {rig} | `{flags}` | failed: {entry.get('error')} |||||")
+            continue
+        fastest = max(v for v in bench.values() if isinstance(v, int | float))
+        added = 1000 / entry["greedy"] - 1000 / fastest
+        out.append(
+            f"| {rig} | `{flags}` | {entry['greedy']:.1f} | {entry['default']:.1f} | "
+            f"{bench.get('1')} / {bench.get('32')} | {entry['greedy'] / fastest:.1%} | "
+            f"{added:.2f} |"
+        )
+    return out
 
 
 def decode_bytes_of(results: dict, model: str) -> int | None:
@@ -288,8 +325,10 @@ def plot(results: dict, path: Path) -> None:
 
 def main(argv: list[str]) -> int:
     results = json.loads(Path(argv[0]).read_text())
+    overhead_file = Path(argv[0]).with_name("overhead.json")
+    overhead = json.loads(overhead_file.read_text()) if overhead_file.exists() else None
     out_dir = Path(argv[1])
-    (out_dir / "RESULTS.md").write_text(markdown(results))
+    (out_dir / "RESULTS.md").write_text(markdown(results, overhead))
     if results.get("sweep") or server_rows(results):
         plot(results, out_dir / "decode.png")
     print("\n".join(verdicts(results)))

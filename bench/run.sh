@@ -2,8 +2,8 @@
 # The GPU benchmark, one command on the project's two-H200 machine (see bench/RESULTS.md):
 # it needs `.carry/llama.cpp.git` (a bare mirror of the pinned llama.cpp commit) and `.whl/`
 # (pyinfra, testinfra, gguf and their wheels for the machine's Python) carried with the tree.
-# Results go to $BENCH_OUT (default /srv/llamarig/out): results.json, logs/, RESULTS.md and
-# decode.png, which are then committed under bench/.
+# Results go to $BENCH_OUT (default /srv/llamarig/out): results.json, overhead.json, logs/,
+# RESULTS.md and decode.png, which are then committed under bench/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # NVLink multicast stays off on the shared machine.
@@ -18,4 +18,5 @@ rm -f "$OUT/EXIT"
 trap 'echo $? > "$OUT/EXIT"' EXIT
 [ -d /srv/llamarig/llama.cpp.git ] || cp -a .carry/llama.cpp.git /srv/llamarig/llama.cpp.git
 python3 bench/gpu_bench.py
+python3 bench/server_overhead.py
 python3 bench/report.py "$OUT/results.json" "$OUT"

@@ -8,6 +8,7 @@ python3 bench/server_overhead.py  ->  $OUT/overhead.json
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -50,12 +51,16 @@ BENCH_SPLITS = {"8b": ["-sm", "tensor", "-ts", "1/1"], "8b-single": ["-sm", "non
 results: dict = {"server": {}, "bench": {}}
 
 
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
 def save() -> None:
     (OUT / "overhead.json").write_text(json.dumps(results, indent=2))
 
 
 def served(rig: Path, extra: list[str]) -> dict:
-    log = open(OUT / f"server-{rig.stem}-{'_'.join(extra) or 'planned'}.log", "w")
+    log = open(OUT / "logs" / f"server-{rig.stem}-{'_'.join(extra) or 'planned'}.log", "w")
     # The launcher `llamarig run` execs is the last deploy's: deploy this rig first (no build).
     deploy(rig, f"deploy-{rig.stem}.log")
     server = subprocess.Popen(
@@ -109,6 +114,7 @@ def prepare() -> dict[str, Path]:
 
 
 def main() -> int:
+    results["started"] = now()
     OUT.mkdir(parents=True, exist_ok=True)
     rigs = prepare()
     for rig in BENCH_SPLITS:
@@ -119,6 +125,8 @@ def main() -> int:
         results["server"][label] = served(rigs[rig], extra)
         print(label, results["server"][label], flush=True)
         save()
+    results["finished"] = now()
+    save()
     return 0
 
 

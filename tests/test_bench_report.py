@@ -79,3 +79,22 @@ def test_report_writes_markdown_and_plot(tmp_path):
     text = (tmp_path / "RESULTS.md").read_text()
     assert "| tensor 1:1 | True | 96.0 |" in text
     assert (tmp_path / "decode.png").stat().st_size > 10_000
+
+
+def test_report_adds_the_server_overhead_table(tmp_path):
+    (tmp_path / "results.json").write_text(json.dumps(results()))
+    overhead = {
+        "started": "s",
+        "finished": "f",
+        "server": {
+            "8b as planned": {"greedy": 200.0, "default": 198.0},
+            "8b -t 1": {"error": "exited 1"},
+        },
+        "bench": {"8b": {"1": 240.0, "32": 250.0}},
+    }
+    (tmp_path / "overhead.json").write_text(json.dumps(overhead))
+    assert report.main([str(tmp_path / "results.json"), str(tmp_path)]) == 0
+    text = (tmp_path / "RESULTS.md").read_text()
+    # 1000/200 - 1000/250 = 1.00 ms per token added, against the faster llama-bench row.
+    assert "| 8b | `as planned` | 200.0 | 198.0 | 240.0 / 250.0 | 80.0% | 1.00 |" in text
+    assert "| 8b | `-t 1` | failed: exited 1 |" in text
