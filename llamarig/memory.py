@@ -37,6 +37,9 @@ SplitMode = Literal["none", "layer", "tensor"]
 MIB = 1 << 20
 CTX_PAD = 256  # GGML_PAD(n_ctx, 256) in llama-context.cpp
 PIPELINE_COPIES = 4  # GGML_SCHED_MAX_COPIES, used when layer mode spans several GPUs
+# Decimals of a planned tensor split, as -ts gets it: the plan is evaluated at exactly the
+# ratio llama.cpp receives (a rounding can move a whole KV head from one GPU to the other).
+SPLIT_DECIMALS = 3
 TENSOR_SPLIT_FFN_BLOCK = 128  # get_split_granularity: lcm(block size, 128) rows for the FFN
 # FLASH_ATTN_EXT's alloc size in ggml-cuda (fattn.cu ggml_cuda_flash_attn_ext_get_alloc_size)
 # includes F16 copies of a non-F16 K and V for the batched kernels.
@@ -565,17 +568,19 @@ def _balanced_ratio(
 
     Planned memory is about ``fixed_d + r_d * S`` per device (S: what follows the ratio). Each
     round solves equal fill for that line at the current plan; whole units and whole layers make
-    it a staircase, so the round with the lowest worst fill wins.
+    it a staircase, so the round with the lowest worst fill wins. Each round is evaluated at the
+    ratio as -ts gets it (SPLIT_DECIMALS), where llama.cpp draws its unit boundaries.
     """
     n = len(devices)
     usable = [max(dev.vram_mib - margin_mib, 1) for dev in devices]
     ratio = [u / sum(usable) for u in usable]
-    best: tuple[float, list[float]] = (math.inf, ratio)
+    best: tuple[float, list[float]] = (math.inf, [])
     for _ in range(12):
-        plans = _evaluate(header, layers, cfg, devices, ratio, margin_mib)
+        rendered = [round(r, SPLIT_DECIMALS) for r in ratio]
+        plans = _evaluate(header, layers, cfg, devices, rendered, margin_mib)
         worst = max(p.planned_mib / u for p, u in zip(plans, usable, strict=True))
         if worst < best[0]:
-            best = (worst, ratio)
+            best = (worst, rendered)
         planned = [p.planned_mib for p in plans]
         fixed = [
             p.reserve_mib + (p.compute_mib if cfg.split_mode == "tensor" else 0) for p in plans
@@ -589,7 +594,7 @@ def _balanced_ratio(
         if max(abs(a - b) for a, b in zip(new, ratio, strict=True)) < 1e-4:
             break
         ratio = new
-    return tuple(round(r, 4) for r in best[1])
+    return tuple(best[1])
 
 
 def _normalized(ratio: Sequence[float], n: int) -> tuple[float, ...]:

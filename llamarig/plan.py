@@ -383,7 +383,7 @@ def plan_host(
     elif server["tensor_split"] in ("auto", None):
         if server["tensor_split"] == "auto" or split_mode == "tensor":
             # Tensor mode without -ts splits evenly, which over-fills the smaller card.
-            server["tensor_split"] = [round(share, 3) for share in memory.ratio]
+            server["tensor_split"] = list(memory.ratio)
     if not memory.fits:
         errors.append(
             "the configuration does not fit in GPU memory (need = planned + margin):\n"

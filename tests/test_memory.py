@@ -106,6 +106,31 @@ def test_uneven_pair_gets_uneven_ratio(llama8b):
     assert abs(plan.devices[0].fill - plan.devices[1].fill) < 0.01
 
 
+def test_auto_ratio_is_planned_as_llama_cpp_receives_it(tmp_path):
+    """The balanced ratio is planned at the three decimals -ts gets: llama.cpp draws the unit
+    boundaries from that number. Measured on two H200s capped to 24576 + 16303 MiB (bench/,
+    a 32.5B Q8_0 with 8 KV heads): planning at the unrounded 0.6249 put 4 of the 8 KV heads of
+    every other layer on the small card where llama.cpp, given 0.625, put 3 - 430 MiB more on
+    the large card than planned; at the rendered ratio the plan is within 0.3% of nvidia-smi."""
+    path = write_llama(tmp_path / "l32.gguf", 64, 5120, 27648, 40, 8, 128256, 131072, "q8_0")
+    header = read_gguf_header_file(path)
+    devices = [Device("H200 capped", 24576, 2048), Device("H200 capped", 16303, 2048)]
+    plan = plan_memory(
+        header, devices, tensor_split="auto", ctx=19456, type_k="q8_0", type_v="q8_0",
+        margin_mib=512,
+    )  # fmt: skip
+    assert all(round(share, 3) == share for share in plan.ratio)
+    again = plan_memory(
+        header, devices, tensor_split=plan.ratio, ctx=19456, type_k="q8_0", type_v="q8_0",
+        margin_mib=512,
+    )  # fmt: skip
+    assert [d.planned_mib for d in again.devices] == [d.planned_mib for d in plan.devices]
+    # Measured with -ts 0.625,0.375 at this context: 23969 and 15251 MiB.
+    assert plan.ratio == (0.625, 0.375)
+    for device, measured in zip(plan.devices, (23969, 15251), strict=True):
+        assert abs(device.planned_mib - measured) / measured < 0.01
+
+
 def test_model_too_large_is_refused_with_table(tmp_path):
     header = read_gguf_header_file(write_qwen35(tmp_path / "f16.gguf", weight_type="f16"))
     plan = plan_memory(header, SEED_RIG, "tensor", "auto", SEED_CTX, 1, True, "q8_0", "q8_0")
