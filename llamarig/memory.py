@@ -92,8 +92,9 @@ class Device:
     """A GPU as the planner sees it.
 
     ``reserve_mib`` is what the model cannot see: the CUDA context, cuBLAS and NCCL workspaces,
-    a display. On two H200s in tensor mode with NCCL, nvidia-smi showed 1457 MiB per GPU beyond
-    llama.cpp's own buffers (529 MiB of it the bare CUDA context).
+    a display. On two H200s (bench/RESULTS.md) nvidia-smi showed 1.9-2.0 GiB per GPU beyond
+    llama.cpp's own buffers for llama-server in tensor mode with NCCL (about 770 MiB of it
+    NCCL's, 529 MiB the bare CUDA context) and 1.1 GiB on one GPU.
     """
 
     name: str
