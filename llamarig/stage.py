@@ -7,12 +7,15 @@ change must restart the server here, keyed by host, so a later stage can guard o
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 from pyinfra import host
 from pyinfra.api.exceptions import DeployError
 from pyinfra.api.operation import OperationMeta
 from pyinfra.connectors.local import LocalConnector
+from pyinfra.operations import systemd
 
+from llamarig import operations
 from llamarig.config import ConfigError, rig_data
 from llamarig.facts import FileHead, NvidiaPciDevices, NvidiaSmiGpus
 from llamarig.plan import (
@@ -92,3 +95,19 @@ def recorded(kind: str) -> list[OperationMeta]:
 def is_local() -> bool:
     """True for pyinfra's @local host, which llamarig never reboots."""
     return issubclass(host.connector_cls, LocalConnector)
+
+
+def service_running(
+    service: str, out_of_date: Callable[[], bool], why: str
+) -> tuple[OperationMeta, OperationMeta]:
+    """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
+    inputs) unless this run just started it; returns the start and the restart."""
+    started = systemd.service(
+        name=f"{service} enabled and running", service=service, running=True, enabled=True
+    )
+    restarted = operations.restart_service(
+        name=f"Restart {service} ({why})",
+        service=service,
+        _if=lambda: out_of_date() and not started.did_change(),
+    )
+    return started, restarted

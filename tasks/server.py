@@ -32,14 +32,9 @@ if rig["role"] == "rpc-worker":
         mode="644",
     )
     systemd.daemon_reload(name="Reload systemd (the worker unit changed)", _if=rpc_unit.did_change)
-    worker_started = systemd.service(
-        name=f"{rpc_service} enabled and running", service=rpc_service, running=True, enabled=True
-    )
     worker_inputs = [rpc_unit, *stage.recorded("server")]
-    worker_restarted = operations.restart_service(
-        name=f"Restart {rpc_service} (unit or build changed)",
-        service=rpc_service,
-        _if=lambda: any_changed(*worker_inputs)() and not worker_started.did_change(),
+    worker_started, worker_restarted = stage.service_running(
+        rpc_service, any_changed(*worker_inputs), "unit or build changed"
     )
     stage.record("serving", *worker_inputs, worker_started)
     operations.wait_for_port(
@@ -134,16 +129,8 @@ else:
                 name=f"Clear a failed state of {service} before starting it",
                 commands=[f"systemctl reset-failed {service} 2>/dev/null || true"],
             )
-        started = systemd.service(
-            name=f"{service} enabled and running",
-            service=service,
-            running=True,
-            enabled=True,
-        )
-        restarted = operations.restart_service(
-            name=f"Restart {service} (unit, environment, build or model changed, or out of date)",
-            service=service,
-            _if=lambda: out_of_date() and not started.did_change(),
+        started, restarted = stage.service_running(
+            service, out_of_date, "unit, environment, build or model changed, or out of date"
         )
         stage.record("serving", *inputs, started)
         operations.serve_or_roll_back(
