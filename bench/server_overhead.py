@@ -37,13 +37,16 @@ OUT = Path(os.environ.get("OUT") or ROOT / "bench" / "out")
 BENCH = "/opt/llamarig/current/bin/llama-bench"
 MODEL_8B = MODELS / "llama-8b-q8_0.gguf"
 # (rig, llama-server flags added to the planned command line): the planned 8B tensor 1:1 rig,
-# at llama-bench's small context too, and on one GPU with and without backend sampling (which
-# llama.cpp does not support in tensor mode: it logs so and samples on the CPU).
+# at llama-bench's small context too, at high and realtime priority (the server's main thread
+# waits on a worker thread's wake-up at every token), and on one GPU with and without backend
+# sampling (which llama.cpp does not support in tensor mode: it logs so and samples on the CPU).
 VARIANTS = [
     ("8b", []),
     ("8b", ["-t", "1"]),
     ("8b", ["-c", "512"]),
     ("8b", ["-c", "4096"]),
+    ("8b", ["--prio", "2"]),
+    ("8b", ["--prio", "3"]),
     ("8b-single", []),
     ("8b-single", ["-bs"]),
 ]
