@@ -11,6 +11,7 @@ bench/report.py turns it into bench/RESULTS.md and bench/decode.png.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
@@ -22,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -45,7 +47,12 @@ BENCH_FLAGS = ["-fa", "1", "-ctk", "q8_0", "-ctv", "q8_0", "-b", "2048", "-ub", 
 BENCH_FLAGS += ["-p", "0", "-n", str(N_PREDICT), "-r", "3"]
 MEMORY_QUERY = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"]
 
-results: dict = {"started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+results: dict = {"started": now()}
 
 
 def save() -> None:
@@ -179,6 +186,57 @@ def completion(base: str, sampling: str = "default") -> dict:
         return json.load(response)
 
 
+@contextlib.contextmanager
+def running_server(inventory: Path, log_path: Path, extra: Sequence[str] = ()):
+    """The last deploy's launcher (`llamarig run`, with ``extra`` llama-server flags) until it
+    serves; yields its base URL and load seconds, and stops it afterwards."""
+    base = f"http://127.0.0.1:{host_data(inventory)['server']['port']}"
+    with open(log_path, "w") as server_log:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "llamarig.cli", "run", "--", *extra],
+            cwd=ROOT,
+            env=env_for(inventory),
+            stdout=server_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            start = time.monotonic()
+            while True:
+                if server.poll() is not None:
+                    raise RuntimeError(f"llama-server exited ({server.returncode}); see its log")
+                try:
+                    with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
+                        if response.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() - start > 600:
+                    raise RuntimeError("llama-server did not become healthy in 600 s")
+                time.sleep(1)
+            yield base, round(time.monotonic() - start, 1)
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait()
+            wait_gpus_idle()
+
+
+def decode_speeds(base: str) -> dict[str, list[float]]:
+    """After a warm-up, REPETITIONS completions per sampling: their predicted_per_second."""
+    completion(base)
+    return {
+        sampling: [
+            completion(base, sampling)["timings"]["predicted_per_second"]
+            for _ in range(REPETITIONS)
+        ]
+        for sampling in SAMPLING
+    }
+
+
 def serve_and_measure(label: str, inventory: Path, model: Path) -> dict:
     """Deploy the rig, start its server with `llamarig run`, measure decode and memory,
     run `llamarig verify`, stop the server."""
@@ -194,37 +252,9 @@ def serve_and_measure(label: str, inventory: Path, model: Path) -> dict:
         "buffers_mib": [g.planned_mib - g.reserve_mib for g in plan.memory.devices],
         "caps_mib": [g.vram_mib for g in plan.memory.devices],
     }
-    base = f"http://127.0.0.1:{data['server']['port']}"
-    server_log = open(OUT / "logs" / f"server-{label}.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "llamarig.cli", "run"],
-        cwd=ROOT,
-        env=env_for(inventory),
-        stdout=server_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        start = time.monotonic()
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({server.returncode}); see server log")
-            try:
-                with urllib.request.urlopen(f"{base}/health", timeout=5) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() - start > 600:
-                raise RuntimeError("llama-server did not become healthy in 600 s")
-            time.sleep(1)
-        entry["load_seconds"] = round(time.monotonic() - start, 1)
-        completion(base)  # warm-up
-        for sampling in SAMPLING:
-            speeds = [
-                completion(base, sampling)["timings"]["predicted_per_second"]
-                for _ in range(REPETITIONS)
-            ]
+    with running_server(inventory, OUT / "logs" / f"server-{label}.log") as (base, seconds):
+        entry["load_seconds"] = seconds
+        for sampling, speeds in decode_speeds(base).items():
             entry[f"decode_tps_{sampling}"] = speeds
             entry[f"decode_median_{sampling}"] = statistics.median(speeds)
         entry["decode_median"] = entry["decode_median_greedy"]
@@ -250,15 +280,6 @@ def serve_and_measure(label: str, inventory: Path, model: Path) -> dict:
         )
         (OUT / "logs" / f"verify-{label}.log").write_text(verify.stdout + verify.stderr)
         entry["verify"] = {"rc": verify.returncode, "summary": verify.stdout.strip()[-600:]}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        server_log.close()
-        wait_gpus_idle()
     log(
         f"{label}: {entry.get('decode_median_default', 0):.1f} t/s default sampling, "
         f"{entry.get('decode_median', 0):.1f} greedy, memory {entry.get('memory_used_mib')}"
@@ -524,7 +545,7 @@ def main() -> int:
                 save()
             results.setdefault("decode_bytes", {})[model.stem] = decode_bytes(model)
             save()
-    results["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    results["finished"] = now()
     save()
     log("done")
     return 0

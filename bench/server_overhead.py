@@ -1,22 +1,18 @@
 """Where the deployed server's decode time goes next to llama-bench's, on the GPU machine (the
 models and the deploy are made first unless bench/run.sh left them in /srv/llamarig): the
 deployed server as planned and with llama-server flags added through `llamarig run -- FLAGS`
-(CPU threads, context size, backend sampling), and llama-bench at two thread counts, in one run.
+(CPU threads, context size, priority, backend sampling), and llama-bench at two thread
+counts, in one run.
 
 python3 bench/server_overhead.py  ->  $OUT/overhead.json
 """
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -24,17 +20,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.gpu_bench import (  # noqa: E402
     BENCH_FLAGS,
     MODELS,
-    ROOT,
-    SAMPLING,
-    completion,
+    OUT,
+    RIG,
+    decode_speeds,
     deploy,
-    env_for,
+    host_data,
+    now,
     rig_files,
+    running_server,
     write_model,
 )
+from llamarig.render import layout  # noqa: E402
 
-OUT = Path(os.environ.get("OUT") or ROOT / "bench" / "out")
-BENCH = "/opt/llamarig/current/bin/llama-bench"
 MODEL_8B = MODELS / "llama-8b-q8_0.gguf"
 # (rig, llama-server flags added to the planned command line): the planned 8B tensor 1:1 rig,
 # at llama-bench's small context too, at high and realtime priority (the server's main thread
@@ -54,50 +51,24 @@ BENCH_SPLITS = {"8b": ["-sm", "tensor", "-ts", "1/1"], "8b-single": ["-sm", "non
 results: dict = {"server": {}, "bench": {}}
 
 
-def now() -> str:
-    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-
-
 def save() -> None:
     (OUT / "overhead.json").write_text(json.dumps(results, indent=2))
 
 
 def served(rig: Path, extra: list[str]) -> dict:
-    log = open(OUT / "logs" / f"server-{rig.stem}-{'_'.join(extra) or 'planned'}.log", "w")
     # The launcher `llamarig run` execs is the last deploy's: deploy this rig first (no build).
     deploy(rig, f"deploy-{rig.stem}.log")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "llamarig.cli", "run", "--", *extra],
-        cwd=ROOT, env=env_for(rig), stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )  # fmt: skip
+    log = OUT / "logs" / f"server-{rig.stem}-{'_'.join(extra) or 'planned'}.log"
     try:
-        while True:
-            if server.poll() is not None:
-                return {"error": f"exited {server.returncode}"}
-            try:
-                with urllib.request.urlopen("http://127.0.0.1:8090/health", timeout=5):
-                    break
-            except OSError:
-                time.sleep(1)
-        base = "http://127.0.0.1:8090"
-        completion(base)
-        entry = {}
-        for sampling in SAMPLING:
-            runs = [completion(base, sampling) for _ in range(5)]
-            speeds = [run["timings"]["predicted_per_second"] for run in runs]
-            entry[sampling] = round(statistics.median(speeds), 1)
-        return entry
+        with running_server(rig, log, extra) as (base, _):
+            speeds = decode_speeds(base)
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
         return {"error": str(error)}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait()
-        log.close()
+    return {sampling: round(statistics.median(values), 1) for sampling, values in speeds.items()}
 
 
-def bench(rig: str, threads: str) -> float | str:
-    command = [BENCH, "-m", str(MODEL_8B), *BENCH_SPLITS[rig], *BENCH_FLAGS, "-t", threads,
+def bench(binary: str, rig: str, threads: str) -> float | str:
+    command = [binary, "-m", str(MODEL_8B), *BENCH_SPLITS[rig], *BENCH_FLAGS, "-t", threads,
                "-o", "json"]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode:
@@ -120,8 +91,9 @@ def main() -> int:
     results["started"] = now()
     OUT.mkdir(parents=True, exist_ok=True)
     rigs = prepare()
+    binary = f"{layout(host_data(RIG))['current']}/bin/llama-bench"
     for rig in BENCH_SPLITS:
-        results["bench"][rig] = {threads: bench(rig, threads) for threads in ("1", "32")}
+        results["bench"][rig] = {t: bench(binary, rig, t) for t in ("1", "32")}
         save()
     for rig, extra in VARIANTS:
         label = f"{rig} {' '.join(extra) or 'as planned'}"
