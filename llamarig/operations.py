@@ -8,9 +8,11 @@ import json
 import re
 import shlex
 import time
+from io import BytesIO
 from pathlib import PurePosixPath
+from typing import IO
 
-from pyinfra import host
+from pyinfra import host, logger, state
 from pyinfra.api import (
     FileUploadCommand,
     FunctionCommand,
@@ -19,8 +21,9 @@ from pyinfra.api import (
     operation,
 )
 from pyinfra.facts.deb import DebPackages
-from pyinfra.facts.files import File, Sha256File
+from pyinfra.facts.files import File, FileContents, Sha256File
 from pyinfra.facts.git import GitLocalCommit
+from pyinfra.operations.util.files import generate_color_diff
 
 from llamarig.facts import BuildDirectories, JsonFile
 from llamarig.render import CURL_AUTH
@@ -563,6 +566,62 @@ def reboot(reboot_timeout: int = 600, interval: int = 2):
     yield FunctionCommand(wait_for_new_boot, (), {})
 
 
+# The complete copy sits beside its file (a rename is atomic only within one filesystem) under
+# a suffix that systemd, modprobe, apt and the shell ignore.
+ATOMIC_SUFFIX = ".llamarig-new"
+
+
+@operation()
+def atomic_file(src: IO[str], dest: str, mode: str = "644"):
+    """
+    Write a file on the host only when its content or mode differ, by renaming a complete copy
+    over it: a run cut short leaves the old file or the new one, never part of one.
+
+    + src: the wanted content (a file-like object, e.g. a rendered template)
+    + dest: path on the host; its directory is created when missing
+    + mode: octal permissions
+
+    ``files.put`` writes over SFTP into the file itself: a deploy killed mid-write left an
+    empty systemd unit behind, which would have kept llama-server down after a reboot. Like
+    ``files.put``, ``--diff`` shows what changes.
+
+    **Example:**
+
+    .. code:: python
+
+        atomic_file(src=StringIO(unit_text), dest="/etc/systemd/system/llama-server.service")
+    """
+    # pyinfra runs an operation's body more than once (to plan, then to execute).
+    src.seek(0)
+    content = src.read().encode()
+    remote = host.get_fact(File, path=dest)
+    same_content = bool(remote) and host.get_fact(Sha256File, path=dest) == (
+        hashlib.sha256(content).hexdigest()
+    )
+    if same_content:
+        if remote["mode"] != int(mode):
+            yield f"chmod {mode} {shlex.quote(dest)}"
+        else:
+            host.noop(f"{dest} is up to date")
+        return
+    if state.config.DIFF:
+        current = host.get_fact(FileContents, path=dest) if remote else None
+        host.log(f"Will {'modify' if remote else 'create'} {dest}", logger.info)
+        for line in generate_color_diff(
+            [line + "\n" for line in current or []], content.decode().splitlines(keepends=True)
+        ):
+            logger.info("  %s", line)
+    temporary = dest + ATOMIC_SUFFIX
+    if not remote:
+        yield f"mkdir -p {shlex.quote(str(PurePosixPath(dest).parent))}"
+    yield FileUploadCommand(BytesIO(content), temporary)
+    # sync: the rename must not reach the disk before the content does.
+    yield (
+        f"chmod {mode} {shlex.quote(temporary)} && sync {shlex.quote(temporary)} && "
+        f"mv -f {shlex.quote(temporary)} {shlex.quote(dest)}"
+    )
+
+
 @operation()
 def secret_file(src: str, dest: str):
     """
@@ -572,7 +631,8 @@ def secret_file(src: str, dest: str):
     + dest: file on the host, created 0600 before anything is written to it
 
     Unlike ``files.put`` this never shows the content (pyinfra's ``--diff`` prints what
-    ``files.put`` writes) and never leaves a readable temporary copy.
+    ``files.put`` writes) and never leaves a readable copy; like ``atomic_file`` it renames a
+    complete copy over the old key.
 
     **Example:**
 
@@ -585,8 +645,11 @@ def secret_file(src: str, dest: str):
     if host.get_fact(Sha256File, path=dest) == wanted:
         host.noop(f"{dest} is up to date")
         return
-    quoted = shlex.quote(dest)
-    yield f"mkdir -p $(dirname {quoted}) && umask 077 && : > {quoted} && chmod 600 {quoted}"
-    # Written in place (no temporary file), so it is never readable by anyone but root.
-    yield FileUploadCommand(src, dest)
-    yield f"chown root:root {quoted} && chmod 600 {quoted}"
+    quoted, temporary = shlex.quote(dest), shlex.quote(dest + ATOMIC_SUFFIX)
+    # The copy is root-only before a byte is written to it, then renamed over the key.
+    yield f"mkdir -p $(dirname {quoted}) && umask 077 && : > {temporary} && chmod 600 {temporary}"
+    yield FileUploadCommand(src, dest + ATOMIC_SUFFIX)
+    yield (
+        f"chown root:root {temporary} && chmod 600 {temporary} && sync {temporary} && "
+        f"mv -f {temporary} {quoted}"
+    )

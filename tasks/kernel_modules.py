@@ -4,7 +4,7 @@ rebuild the initramfs when the blacklist changed, and reboot by the rig's policy
 from io import StringIO
 
 from pyinfra import host
-from pyinfra.operations import files, server
+from pyinfra.operations import server
 from pyinfra.operations.util import any_changed
 
 from llamarig import operations, render, stage
@@ -16,13 +16,13 @@ if rig["driver"]["source"] == "none":
 elif not rig["kernel_modules"]["manage"]:
     host.noop("kernel_modules.manage is false: modules, initramfs and reboots left to the host")
 else:
-    blacklist = files.put(
+    blacklist = operations.atomic_file(
         name="Blacklist nouveau, nova_core and nova",
         src=StringIO(render.render_file("modprobe-blacklist.conf.j2")),
         dest="/etc/modprobe.d/llamarig-blacklist-nouveau-nova.conf",
         mode="644",
     )
-    files.put(
+    operations.atomic_file(
         name="Load nvidia and nvidia_uvm at boot (the service needs /dev/nvidia-uvm)",
         src=StringIO("# Managed by llamarig\nnvidia\nnvidia_uvm\n"),
         dest="/etc/modules-load.d/llamarig-nvidia.conf",

@@ -9,7 +9,7 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import apt, files, server
 from pyinfra.operations.apt import APT_UPDATE_FILENAME
 
-from llamarig import render, stage
+from llamarig import operations, render, stage
 from llamarig.platform import codename, is_debian, nvidia_repo_dir
 
 rig = stage.rig()
@@ -41,7 +41,7 @@ if "nvidia-repo" in sources:
         )
     )
     source_ops.append(
-        files.put(
+        operations.atomic_file(
             name="NVIDIA CUDA repository (deb822, Signed-By its keyring)",
             src=StringIO(
                 render.render_file(
@@ -56,7 +56,7 @@ if "nvidia-repo" in sources:
         )
     )
     source_ops.append(
-        files.put(
+        operations.atomic_file(
             name=f"Pin the NVIDIA driver to branch {rig['driver']['branch']}",
             src=StringIO(render.render_file("apt-preferences.j2", branch=rig["driver"]["branch"])),
             dest="/etc/apt/preferences.d/llamarig-nvidia-driver",
@@ -66,7 +66,7 @@ if "nvidia-repo" in sources:
 
 if "distro" in sources and is_debian(distribution):
     source_ops.append(
-        files.put(
+        operations.atomic_file(
             name="Debian contrib and non-free components",
             src=StringIO(
                 render.render_file(

@@ -25,7 +25,7 @@ if rig["role"] == "rpc-worker":
     # Workers come first in this file, so pyinfra runs their operations before any head's:
     # a head restarts only once its workers answer.
     rpc_service = f"{rig['rpc']['service']}.service"
-    rpc_unit = files.put(
+    rpc_unit = operations.atomic_file(
         name=f"Unit {rpc_service} (RPC worker on {rig['rpc']['host']}:{rig['rpc']['port']})",
         src=StringIO(render.render_rpc_unit(rig)),
         dest=paths["rpc_unit"],
@@ -52,12 +52,16 @@ else:
             dest=render.API_KEY_PATH,
         )
         if api_key.will_change or not host.get_fact(File, path=render.API_KEY_HEADER_PATH):
+            header = render.API_KEY_HEADER_PATH
+            header_copy = header + operations.ATOMIC_SUFFIX
             server_ops.shell(
                 name="curl header file for the deploy's own checks (root only)",
                 # printf is a shell builtin: the key never appears in a process's arguments.
+                # Renamed into place: a truncated header would survive every later run.
                 commands=[
                     f"umask 077; printf 'Authorization: Bearer %s\\n' "
-                    f'"$(head -n1 {render.API_KEY_PATH})" > {render.API_KEY_HEADER_PATH}'
+                    f'"$(head -n1 {render.API_KEY_PATH})" > {header_copy} '
+                    f"&& mv -f {header_copy} {header}"
                 ],
             )
         stage.record("server", api_key)
@@ -66,7 +70,7 @@ else:
             files.file(name=f"No API key file {path}", path=path, present=False)
 
     def put_launcher():
-        return files.put(
+        return operations.atomic_file(
             name=f"Launcher {paths['launcher']} (`llamarig run`)",
             src=StringIO(render.render_launcher(rig)),
             dest=paths["launcher"],
@@ -87,13 +91,13 @@ else:
             )
         )
     else:
-        env_file = files.put(
+        env_file = operations.atomic_file(
             name="Service environment file",
             src=StringIO(render.render_env_file(rig)),
             dest=paths["env_file"],
             mode="644",
         )
-        unit = files.put(
+        unit = operations.atomic_file(
             name=f"Unit {service}",
             src=StringIO(render.render_unit(rig)),
             dest=paths["unit"],

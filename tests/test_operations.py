@@ -23,12 +23,12 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run_deploy(tmp_path: Path, body: str) -> tuple[int, dict | None, str]:
+def run_deploy(tmp_path: Path, body: str, *options: str) -> tuple[int, dict | None, str]:
     """Run a deploy file made of `body` with pyinfra against @local."""
     deploy = tmp_path / "deploy_under_test.py"
     deploy.write_text("from llamarig import operations\n" + textwrap.dedent(body))
     result = subprocess.run(
-        [sys.executable, "-m", "pyinfra", "-y", "--json", "@local", str(deploy)],
+        [sys.executable, "-m", "pyinfra", "-y", "--json", *options, "@local", str(deploy)],
         cwd=tmp_path,
         env=pyinfra_env(),
         capture_output=True,
@@ -197,6 +197,34 @@ def test_cmake_build_builds_once_and_retries_a_failed_build(tmp_path):
     # Another recipe with the same marker path is not taken for done.
     code, results, stderr = run_deploy(tmp_path, body.replace("'recipe': 1", "'recipe': 2"))
     assert (code, changed(results)) == (0, 1), stderr
+
+
+def test_atomic_file_replaces_by_rename_and_only_when_it_differs(tmp_path):
+    dest = tmp_path / "etc" / "unit.service"
+
+    def write(text: str, mode: str, *options: str):
+        body = f"""
+            from io import StringIO
+            operations.atomic_file(src=StringIO({text!r}), dest='{dest}', mode='{mode}')
+        """
+        code, results, stderr = run_deploy(tmp_path, body, *options)
+        assert code == 0, stderr
+        return changed(results), stderr
+
+    assert write("ExecStart=a\n", "644")[0] == 1
+    assert dest.read_text() == "ExecStart=a\n" and dest.stat().st_mode & 0o777 == 0o644
+    assert write("ExecStart=a\n", "644")[0] == 0
+    # A mode change alone is made in place.
+    inode = dest.stat().st_ino
+    assert write("ExecStart=a\n", "755")[0] == 1
+    assert dest.stat().st_ino == inode and dest.stat().st_mode & 0o777 == 0o755
+    # New content arrives as a new file renamed over the old one: a reader (systemd, apt, a
+    # reboot after a killed run) sees the old text or the new, never a truncated file.
+    count, stderr = write("ExecStart=b\n", "755", "--diff")
+    assert count == 1 and dest.read_text() == "ExecStart=b\n"
+    assert dest.stat().st_ino != inode and dest.stat().st_mode & 0o777 == 0o755
+    assert "- ExecStart=a" in stderr and "+ ExecStart=b" in stderr, stderr
+    assert sorted(path.name for path in dest.parent.iterdir()) == ["unit.service"]
 
 
 def test_prune_builds_keeps_current_last_good_and_newest(tmp_path):
