@@ -571,6 +571,14 @@ def reboot(reboot_timeout: int = 600, interval: int = 2):
 ATOMIC_SUFFIX = ".llamarig-new"
 
 
+def rename_into_place(dest: str, mode: str) -> str:
+    """A shell command that gives the complete copy beside ``dest`` (``dest`` + ATOMIC_SUFFIX)
+    its mode and renames it over ``dest``."""
+    copy, quoted = shlex.quote(dest + ATOMIC_SUFFIX), shlex.quote(dest)
+    # sync: the rename must not reach the disk before the content does.
+    return f"chmod {mode} {copy} && sync {copy} && mv -f {copy} {quoted}"
+
+
 @operation()
 def atomic_file(src: IO[str], dest: str, mode: str = "644"):
     """
@@ -611,15 +619,10 @@ def atomic_file(src: IO[str], dest: str, mode: str = "644"):
             [line + "\n" for line in current or []], content.decode().splitlines(keepends=True)
         ):
             logger.info("  %s", line)
-    temporary = dest + ATOMIC_SUFFIX
     if not remote:
         yield f"mkdir -p {shlex.quote(str(PurePosixPath(dest).parent))}"
-    yield FileUploadCommand(BytesIO(content), temporary)
-    # sync: the rename must not reach the disk before the content does.
-    yield (
-        f"chmod {mode} {shlex.quote(temporary)} && sync {shlex.quote(temporary)} && "
-        f"mv -f {shlex.quote(temporary)} {shlex.quote(dest)}"
-    )
+    yield FileUploadCommand(BytesIO(content), dest + ATOMIC_SUFFIX)
+    yield rename_into_place(dest, mode)
 
 
 @operation()
@@ -649,7 +652,4 @@ def secret_file(src: str, dest: str):
     # The copy is root-only before a byte is written to it, then renamed over the key.
     yield f"mkdir -p $(dirname {quoted}) && umask 077 && : > {temporary} && chmod 600 {temporary}"
     yield FileUploadCommand(src, dest + ATOMIC_SUFFIX)
-    yield (
-        f"chown root:root {temporary} && chmod 600 {temporary} && sync {temporary} && "
-        f"mv -f {temporary} {quoted}"
-    )
+    yield f"chown root:root {temporary} && {rename_into_place(dest, '600')}"

@@ -53,15 +53,14 @@ else:
         )
         if api_key.will_change or not host.get_fact(File, path=render.API_KEY_HEADER_PATH):
             header = render.API_KEY_HEADER_PATH
-            header_copy = header + operations.ATOMIC_SUFFIX
             server_ops.shell(
                 name="curl header file for the deploy's own checks (root only)",
                 # printf is a shell builtin: the key never appears in a process's arguments.
                 # Renamed into place: a truncated header would survive every later run.
                 commands=[
                     f"umask 077; printf 'Authorization: Bearer %s\\n' "
-                    f'"$(head -n1 {render.API_KEY_PATH})" > {header_copy} '
-                    f"&& mv -f {header_copy} {header}"
+                    f'"$(head -n1 {render.API_KEY_PATH})" > {header}{operations.ATOMIC_SUFFIX} '
+                    f"&& {operations.rename_into_place(header, '600')}"
                 ],
             )
         stage.record("server", api_key)
