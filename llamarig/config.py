@@ -10,20 +10,22 @@ from __future__ import annotations
 import copy
 import datetime
 import difflib
+import ipaddress
 import json
 import math
 import os
+import re
 import reprlib
 import unicodedata
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import yaml
 from jsonschema import Draft202012Validator, validators
 
-from llamarig import PACKAGE_DIR, PROJECT_DIR, hardware
+from llamarig import PACKAGE_DIR, PROJECT_DIR, hardware, llama_args
 
 SCHEMA_PATH = PACKAGE_DIR / "schema.json"
 DEFAULTS_PATH = PROJECT_DIR / "group_data" / "all.yml"
@@ -398,6 +400,7 @@ def load_inventory(path: Path | None = None) -> Inventory:
     if not problems:
         problems.extend(_shared_machine_problems(list(hosts.values())))
         problems.extend(_rpc_inventory_problems(hosts))
+        problems.extend(_rpc_topology_problems(hosts))
     if problems:
         raise ConfigError(problems)
     return Inventory(path, hosts, groups)
@@ -483,13 +486,90 @@ def _rpc_inventory_problems(hosts: dict[str, HostConfig]) -> list[str]:
     return problems
 
 
+def _is_loopback(address: str) -> bool:
+    if address.lower().rstrip(".") == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
+
+
+def _box(data: dict) -> str:
+    """The box a host's SSH address names, port aside: every loopback name and address (and
+    pyinfra's @local) is this machine, whose containers share its loopback."""
+    ssh = data["ssh"]
+    if ssh.get("local") or _is_loopback(ssh["host"]):
+        return "this machine"
+    return ssh["host"].lower().rstrip(".")
+
+
 def _machine(data: dict) -> tuple:
     """What identifies the machine a host's settings reach: pyinfra's @local, or the SSH
-    address and port."""
+    address (127.0.0.1, ::1 and localhost alike) and port."""
     ssh = data["ssh"]
     if ssh.get("local"):
         return ("@local",)
-    return (ssh["host"].lower().rstrip("."), ssh.get("port", 22))
+    box = _box(data)
+    return ("127.0.0.1" if box == "this machine" else box, ssh.get("port", 22))
+
+
+def _rpc_topology_problems(hosts: dict[str, HostConfig]) -> list[str]:
+    """RPC layouts that cannot work: a worker lent to two heads, two workers of one machine
+    on one port (or unit), a loopback worker address that a head on another box cannot reach."""
+    problems = []
+    head_of: dict[str, str] = {}
+    for head in hosts.values():
+        if head.data["role"] != "rpc-head":
+            continue
+        for name in head.data["rpc"]["workers"]:
+            worker = hosts.get(name)
+            if worker is None or worker.data["role"] != "rpc-worker":
+                continue  # named by _rpc_inventory_problems
+            if name in head_of:
+                problems.append(
+                    _located(
+                        head,
+                        ("rpc", "workers"),
+                        f"names `{name}`, which is already a worker of `{head_of[name]}`; "
+                        "ggml-rpc-server lends its devices to one head: give each head its own "
+                        "workers",
+                        in_inventory=True,
+                    )
+                )
+                continue
+            head_of[name] = head.name
+            address = worker.data["rpc"]["host"]
+            if _is_loopback(address) and _box(worker.data) != _box(head.data):
+                problems.append(
+                    _located(
+                        worker,
+                        ("rpc", "host"),
+                        f"{address} is loopback, which head `{head.name}` on another box "
+                        f"({_box(head.data)}) cannot reach: bind the private address of "
+                        f"{_box(worker.data)} that the head reaches, e.g. 10.0.0.12",
+                    )
+                )
+    owners: dict[tuple, HostConfig] = {}
+    for worker in hosts.values():
+        if worker.data["role"] != "rpc-worker":
+            continue
+        machine = _machine(worker.data)
+        for key in ("port", "service"):
+            value = worker.data["rpc"][key]
+            other = owners.setdefault((machine, key, value), worker)
+            if other is not worker:
+                problems.append(
+                    _located(
+                        worker,
+                        ("rpc", key),
+                        f"{value} is also the rpc.{key} of worker `{other.name}`, which is the "
+                        "same machine; give each worker on one machine its own rpc.port and "
+                        "rpc.service",
+                        in_inventory=True,
+                    )
+                )
+    return problems
 
 
 def _shared_machine_problems(host_configs: list[HostConfig]) -> list[str]:
@@ -678,8 +758,30 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         wrong = f"{_shown(error.instance)} is empty"
     else:
         wrong = f"{_shown(error.instance)} is not valid"
-    text = f"{wrong}; expected {expected}" if expected else wrong
+    text = _known_mistake(key_path, error.validator, error.instance)
+    text = text or (f"{wrong}; expected {expected}" if expected else wrong)
     return [_located(host_config, key_path, text)]
+
+
+def _known_mistake(key_path: tuple, validator: str, value: Any) -> str | None:
+    """The message for a schema error that has a well-known cause, or None."""
+    key = key_path[-1] if key_path else None
+    if key == "pci_bus_id" and validator == "type" and isinstance(value, int | float):
+        return (
+            f"{_shown(value)} is a number: YAML 1.1 reads an unquoted bus id such as "
+            '01:00.0 as base 60; quote it (pci_bus_id: "0000:01:00.0")'
+        )
+    if key in ("vram_mib", "usable_mib") and validator == "minimum" and 0 < value < 1024:
+        return (
+            f"{value} looks like GiB, and the key is in MiB: {value} GiB is {value * 1024} MiB "
+            "(nvidia-smi --query-gpu=memory.total --format=csv shows the exact MiB)"
+        )
+    if key_path == ("model", "url") and isinstance(value, str) and value.startswith("file:"):
+        return (
+            f"{_shown(value)} is a local file, and `url` is downloaded over http(s): use "
+            "`model.path` for a file already on the host"
+        )
+    return None
 
 
 LOOPBACK_HOSTS = ("127.0.0.1", "::1", "localhost")
@@ -909,6 +1011,10 @@ def semantic_problems(data: dict) -> list[tuple]:
     problems += _gpu_list_problems(gpus)
     problems += _control_character_problems(data)
     problems += _rpc_role_problems(data)
+    # The escape hatches, and settings that contradict each other, llama.cpp or the hardware.
+    problems += llama_args.extra_args_problems(server["extra_args"])
+    problems += llama_args.env_problems(server["env"])
+    problems += _contradiction_problems(data)
     return problems
 
 
@@ -1126,6 +1232,244 @@ def _gpu_list_problems(gpus: list[dict]) -> list[tuple]:
         else:
             seen[slot] = index
     return problems
+
+
+# --- settings that contradict each other, llama.cpp or the hardware (issue 12) ----------------
+
+# llama.cpp's most sequences per context (LLAMA_MAX_SEQ, src/llama-cparams.h at the pinned
+# commit): `-np` above it fails at context creation (n_seq_max > 256).
+LLAMA_MAX_SEQ = 256
+# More MiB than any GPU has (the largest in the hardware table has about 180 GiB): a vram_mib
+# above it was written in bytes or KiB.
+MAX_PLAUSIBLE_VRAM_MIB = 4 << 20
+# CMake cache entries llamarig derives, and the rig key that sets each.
+DERIVED_CMAKE_OPTIONS = {
+    "GGML_CUDA": "`llama_cpp.backend` (cuda or cpu)",
+    "GGML_NATIVE": (
+        "`llama_cpp.cuda_architectures` (llamarig turns GGML_NATIVE off: the build host's own "
+        "GPUs are not the target's)"
+    ),
+    "CMAKE_CUDA_ARCHITECTURES": "`llama_cpp.cuda_architectures`",
+    "CMAKE_CUDA_COMPILER": "`cuda.nvcc` (or `cuda.version` with `nvcc: auto`)",
+    "GGML_RPC": "`role` (rpc-head and rpc-worker build with RPC)",
+    "GGML_CCACHE": "`llama_cpp.ccache`",
+}
+_TOOLKIT_NVCC = re.compile(r"/cuda-(\d+\.\d+)/")
+_LOOPBACK_NAMES = ("localhost", "localhost.")
+
+
+def _contradiction_problems(data: dict) -> list[tuple]:
+    """Each rule below refuses one kind of setting that cannot work as written."""
+    return [
+        *_split_mode_none_problems(data["server"]),
+        *_parallel_problems(data["server"]),
+        *_gpu_table_problems(data["gpus"]),
+        *_driver_branch_problems(data),
+        *_cuda_architecture_problems(data),
+        *_cmake_option_problems(data["llama_cpp"]["cmake_options"]),
+        *_target_problems(data),
+        *_nvcc_problems(data),
+        *_model_location_problems(data),
+        *_rpc_address_problems(data),
+    ]
+
+
+def _split_mode_none_problems(server: dict) -> list[tuple]:
+    if server["split_mode"] != "none" or server["tensor_split"] is None:
+        return []
+    return [
+        (
+            ("server", "tensor_split"),
+            f"{_shown(server['tensor_split'])} splits the model over GPUs, but `split_mode: "
+            "none` serves from one (the first of `gpus`): remove tensor_split (null), or set "
+            "`split_mode: layer` or `tensor`",
+        )
+    ]
+
+
+def _parallel_problems(server: dict) -> list[tuple]:
+    if server["parallel"] <= LLAMA_MAX_SEQ:
+        return []
+    return [
+        (
+            ("server", "parallel"),
+            f"{server['parallel']} slots are more than llama.cpp's {LLAMA_MAX_SEQ} sequences "
+            "per context (LLAMA_MAX_SEQ; it fails at load with n_seq_max > 256): set at most "
+            f"{LLAMA_MAX_SEQ}",
+        )
+    ]
+
+
+def _gpu_table_problems(gpus: list[dict]) -> list[tuple]:
+    """Declared GPUs against the hardware table: the capability of a known name, and memory
+    that was written in bytes."""
+    problems: list[tuple] = []
+    for index, gpu in enumerate(gpus):
+        model = hardware.gpu_named(gpu["name"])
+        if model and model.compute_capability != gpu["compute_capability"]:
+            problems.append(
+                (
+                    ("gpus", index, "compute_capability"),
+                    f'"{gpu["compute_capability"]}" is not that of {gpu["name"]}, which is '
+                    f'{model.compute_capability}: set `compute_capability: "'
+                    f'{model.compute_capability}"` (or fix the name; nvidia-smi '
+                    "--query-gpu=name,compute_cap --format=csv shows both)",
+                )
+            )
+        for key in ("vram_mib", "usable_mib"):
+            value = gpu.get(key)
+            if value is not None and value > MAX_PLAUSIBLE_VRAM_MIB:
+                problems.append(
+                    (
+                        ("gpus", index, key),
+                        f"{value} is more MiB than any GPU has: it looks like bytes "
+                        f"({value} bytes are {value >> 20} MiB); give MiB, as nvidia-smi "
+                        "--query-gpu=memory.total --format=csv reports them",
+                    )
+                )
+    return problems
+
+
+def _driver_branch_problems(data: dict) -> list[tuple]:
+    """The branch llamarig installs must run the toolkit and every declared GPU."""
+    driver, cuda = data["driver"], data["cuda"]
+    if driver["source"] not in ("nvidia-repo", "distro") or data["llama_cpp"]["backend"] != "cuda":
+        return []
+    capabilities = [gpu["compute_capability"] for gpu in data["gpus"]]
+    toolkit = cuda["version"] if cuda["source"] != "none" else None
+    problems: list[tuple] = []
+    for needed, what in hardware.driver_floors(capabilities, toolkit):
+        branch = hardware.parse_version(needed)[0]
+        if driver["branch"] < branch:
+            problems.append(
+                (
+                    ("driver", "branch"),
+                    f"{driver['branch']} is below what {what} needs (driver {needed} or "
+                    f"newer): set `driver.branch: {max(branch, 580)}` (R580 is the long-term "
+                    "branch)",
+                )
+            )
+    return problems
+
+
+def _cuda_architecture_problems(data: dict) -> list[tuple]:
+    """An explicit architecture list must hold code that runs on every declared GPU."""
+    listed = data["llama_cpp"]["cuda_architectures"]
+    if listed == "auto" or data["llama_cpp"]["backend"] != "cuda":
+        return []
+    archs = listed.split(";")
+    problems: list[tuple] = []
+    for gpu in data["gpus"]:
+        cc = gpu["compute_capability"]
+        if not any(hardware.architecture_runs_on(arch, cc) for arch in archs):
+            problems.append(
+                (
+                    ("llama_cpp", "cuda_architectures"),
+                    f'"{listed}" has no code that runs on {gpu["name"]} (compute {cc}; 12X '
+                    "is built as 12Xa, which runs only on 12.X, and PTX alone is not enough): "
+                    f'add "{hardware.cuda_architecture(cc)}", or set `auto`',
+                )
+            )
+    return problems
+
+
+def _cmake_option_problems(options: dict) -> list[tuple]:
+    return [
+        (
+            ("llama_cpp", "cmake_options", name),
+            f"is derived by llamarig, and this would override it: set "
+            f"{DERIVED_CMAKE_OPTIONS[name]} instead",
+        )
+        for name in options
+        if name in DERIVED_CMAKE_OPTIONS
+    ]
+
+
+def _target_problems(data: dict) -> list[tuple]:
+    if data["role"] == "rpc-worker" or "llama-server" in data["llama_cpp"]["targets"]:
+        return []
+    return [
+        (
+            ("llama_cpp", "targets"),
+            f"{_shown(data['llama_cpp']['targets'])} lacks llama-server, which this "
+            f"`{data['role']}` host serves with: add it (e.g. [llama-server, llama-bench])",
+        )
+    ]
+
+
+def _nvcc_problems(data: dict) -> list[tuple]:
+    cuda = data["cuda"]
+    match = _TOOLKIT_NVCC.search(cuda["nvcc"])
+    if cuda["source"] == "none" or not match or match.group(1) == cuda["version"]:
+        return []
+    return [
+        (
+            ("cuda", "nvcc"),
+            f"{cuda['nvcc']} is the nvcc of CUDA {match.group(1)}, but `cuda.version` is "
+            f'"{cuda["version"]}": set `cuda.nvcc: auto` (or the version that path holds)',
+        )
+    ]
+
+
+def _model_location_problems(data: dict) -> list[tuple]:
+    """Model files must live where no deploy step deletes them, and URLs must name the file."""
+    problems: list[tuple] = []
+    prefix = PurePosixPath(os.path.normpath(data["paths"]["prefix"]))
+    wiped = {
+        prefix / "src" / "llama.cpp": "the llama.cpp checkout, which `git clean -ffdx` empties "
+        "on every update",
+        prefix / "builds": "the build directories, which llamarig deletes past "
+        "`llama_cpp.keep_builds`",
+    }
+    for key_path, value in (
+        (("paths", "models"), data["paths"]["models"]),
+        (("model", "path"), data["model"]["path"]),
+    ):
+        if not value:
+            continue
+        where = PurePosixPath(os.path.normpath(value))
+        for directory, what in wiped.items():
+            if where == directory or directory in where.parents:
+                problems.append(
+                    (
+                        key_path,
+                        f"{value} is inside {directory}, {what}; keep models outside "
+                        f"{prefix}/src and {prefix}/builds (the default is {prefix}/models)",
+                    )
+                )
+    url = data["model"]["url"] or ""
+    if re.match(r"^https?://(www\.)?huggingface\.co/", url) and "/blob/" in url:
+        problems.append(
+            (
+                ("model", "url"),
+                "is a Hugging Face page (/blob/), which serves HTML, not the file: use "
+                f"/resolve/ ({url.replace('/blob/', '/resolve/', 1)})",
+            )
+        )
+    return problems
+
+
+def _rpc_address_problems(data: dict) -> list[tuple]:
+    """The RPC protocol has no authentication: a worker binds a private address, unless the
+    user says the network in between is theirs (rpc.allow_public)."""
+    rpc = data["rpc"]
+    if data["role"] != "rpc-worker" or not rpc["host"] or rpc["allow_public"]:
+        return []
+    try:
+        address = ipaddress.ip_address(rpc["host"])
+    except ValueError:
+        return []  # a name: where it points is not known before connecting
+    if address.is_private or address.is_link_local or address.is_loopback:
+        return []
+    return [
+        (
+            ("rpc", "host"),
+            f"{rpc['host']} is a public address, and ggml-rpc-server has no authentication or "
+            "encryption: bind a private, link-local or loopback address the head reaches "
+            "(e.g. 10.0.0.12), or set `rpc.allow_public: true` if the network in between is "
+            "yours alone",
+        )
+    ]
 
 
 def model_filename(data: dict) -> str:

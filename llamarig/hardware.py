@@ -3,6 +3,7 @@
 One table per fact family; the functions below only look things up in them.
 """
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -235,20 +236,11 @@ def check_versions(
                     f"{CUDA13_MIN_CAPABILITY} ({', '.join(old)}): use CUDA 12.x"
                 )
     if driver_version is not None:
-        driver = parse_version(driver_version)
-        if cuda_version is not None:
-            needed = toolkit_driver_floor(cuda_version)
-            if needed and driver < parse_version(needed):
+        for needed, what in driver_floors(capabilities, cuda_version):
+            if parse_version(driver_version) < parse_version(needed):
+                fix = " (or pick an older toolkit)" if what.startswith("CUDA") else ""
                 problems.append(
-                    f"driver {driver_version} is too old for CUDA {cuda_version}: it needs >= "
-                    f"{needed} (or pick an older toolkit)"
-                )
-        for cc in capabilities:
-            floor = ARCHITECTURE_FLOORS.get(cc)
-            if floor and driver < parse_version(floor.min_driver):
-                problems.append(
-                    f"driver {driver_version} cannot drive compute capability {cc} "
-                    f"({floor.family}): it needs >= {floor.min_driver}"
+                    f"driver {driver_version} is too old for {what}: it needs >= {needed}{fix}"
                 )
     if blackwell and not open_modules:
         problems.append(
@@ -277,3 +269,61 @@ def check_versions(
             "the toolkit from NVIDIA's repository"
         )
     return problems
+
+
+def driver_floors(compute_capabilities: Iterable[str], cuda_version: str | None) -> list[tuple]:
+    """The least Linux driver each part of a rig needs: (version, what needs it), for the
+    toolkit (``cuda_version``; None: no toolkit) and each GPU's architecture."""
+    floors = []
+    if cuda_version is not None:
+        needed = toolkit_driver_floor(cuda_version)
+        if needed:
+            floors.append((needed, f"CUDA {cuda_version}"))
+    for cc in sorted(set(compute_capabilities), key=parse_version):
+        floor = ARCHITECTURE_FLOORS.get(cc)
+        if floor:
+            floors.append((floor.min_driver, f"compute capability {cc} ({floor.family})"))
+    return floors
+
+
+# Words that differ between nvidia-smi and the PCI table ("NVIDIA GeForce RTX 3090" vs
+# "GeForce RTX 3090"); names are compared without them.
+VENDOR_WORDS = frozenset({"nvidia", "geforce"})
+
+
+def _vendorless_words(name: str) -> list[str]:
+    return [word for word in name.lower().split() if word not in VENDOR_WORDS]
+
+
+def same_gpu_name(one: str, other: str) -> bool:
+    return _vendorless_words(one) == _vendorless_words(other)
+
+
+def gpu_named(name: str) -> GpuModel | None:
+    """The table's GPU of that name (vendor words aside), or None when unknown."""
+    for model in PCI_DEVICES.values():
+        if same_gpu_name(model.name, name):
+            return model
+    return None
+
+
+_ARCH = re.compile(r"^(\d+)(\d)([af]?)(-real|-virtual)?$")
+
+
+def architecture_runs_on(arch: str, compute_capability: str) -> bool:
+    """Whether one CMAKE_CUDA_ARCHITECTURES entry gives a GPU of ``compute_capability`` code
+    that runs on it: SASS of the same major and a minor not above its own (an arch-specific
+    ``a`` target only on its exact capability, a family ``f`` target on its major), after
+    llama.cpp's rewrite of a plain ``12X`` to ``12Xa``. PTX alone (``-virtual``) does not
+    count: an sm_120 card JIT-compiling another architecture's PTX gave gibberish (GUIDE
+    §7.10)."""
+    match = _ARCH.match(arch)
+    if not match or match.group(4) == "-virtual":
+        return False
+    major, minor, variant = int(match.group(1)), int(match.group(2)), match.group(3)
+    if major == 12 and not variant:
+        variant = "a"
+    gpu_major, gpu_minor = parse_version(compute_capability)[:2]
+    if major != gpu_major or minor > gpu_minor:
+        return False
+    return variant != "a" or minor == gpu_minor

@@ -35,6 +35,7 @@ from llamarig.gguf_header import GgufHeader, ggml_type, row_size
 SplitMode = Literal["none", "layer", "tensor"]
 
 MIB = 1 << 20
+ON_HOST = -1  # layer_devices' device of a block that `-ngl` leaves on the host
 CTX_PAD = 256  # GGML_PAD(n_ctx, 256) in llama-context.cpp
 PIPELINE_COPIES = 4  # GGML_SCHED_MAX_COPIES, used when layer mode spans several GPUs
 # Decimals of a planned tensor split, as -ts gets it: the plan is evaluated at exactly the
@@ -267,16 +268,31 @@ def split_units(units: int, ratio: Sequence[float], rotation: int) -> list[int]:
     return shares
 
 
-def layer_devices(n_layer_all: int, ratio: Sequence[float]) -> list[int]:
-    """Device of each block and, last, of the output layer in layer mode (load_tensors)."""
+def first_offloaded(n_layer_all: int, n_gpu_layers: int | None) -> int:
+    """The first block on a GPU (load_tensors' i_gpu_start): `-ngl N` offloads the last N of
+    the blocks and the output layer (block ``n_layer_all``); the ones before stay on the host.
+    None: all of them (`-ngl all`)."""
+    if n_gpu_layers is None:
+        return 0
+    return max(n_layer_all + 1 - n_gpu_layers, 0)
+
+
+def layer_devices(
+    n_layer_all: int, ratio: Sequence[float], n_gpu_layers: int | None = None
+) -> list[int]:
+    """Device of each block and, last, of the output layer in layer mode (load_tensors);
+    ON_HOST for a block `-ngl` leaves on the host."""
     total = sum(ratio)
     splits, cumulative = [], 0.0
     for r in ratio:
         cumulative += r
         splits.append(cumulative / total)
-    n_offloaded = n_layer_all + 1
+    start = first_offloaded(n_layer_all, n_gpu_layers)
+    n_offloaded = n_layer_all + 1 - start
     return [
-        min(bisect.bisect_right(splits, il / n_offloaded), len(ratio) - 1)
+        ON_HOST
+        if il < start
+        else min(bisect.bisect_right(splits, (il - start) / n_offloaded), len(ratio) - 1)
         for il in range(n_layer_all + 1)
     ]
 
@@ -294,17 +310,29 @@ class _Placement:
 
 class _Placer:
     def __init__(
-        self, header: GgufHeader, layers: _Layers, mode: SplitMode, ratio: Sequence[float]
+        self,
+        header: GgufHeader,
+        layers: _Layers,
+        mode: SplitMode,
+        ratio: Sequence[float],
+        n_gpu_layers: int | None = None,
     ):
         self.header, self.layers, self.mode, self.ratio = header, layers, mode, list(ratio)
         self.n = len(ratio)
-        self.block_device = layer_devices(layers.n_all, ratio) if mode == "layer" else []
+        self.gpu_start = first_offloaded(layers.n_all, n_gpu_layers)
+        self.block_device = (
+            layer_devices(layers.n_all, ratio, n_gpu_layers) if mode == "layer" else []
+        )
         # get_il_eff: a block's rotation counts only earlier blocks of its own kind
         self.block_rotation = []
         seen = {True: 0, False: 0}
         for recurrent in layers.recurrent:
             self.block_rotation.append(seen[recurrent] % self.n)
             seen[recurrent] += 1
+
+    def on_host(self, layer: int | None) -> bool:
+        """Whether `-ngl` leaves block ``layer`` (None: the output layer) on the host."""
+        return (self.layers.n_all if layer is None else layer) < self.gpu_start
 
     def rotation(self, layer: int | None) -> int:
         return self.layers.n_main % self.n if layer is None else self.block_rotation[layer]
@@ -355,13 +383,18 @@ def _place_weights(placer: _Placer, placement: _Placement, mtp_loaded: bool) -> 
     for t in header.tensors:
         if t.name == "token_embd.weight":
             placement.host_weights += t.n_bytes
-            if tied:  # the output layer gets its own copy (TENSOR_DUPLICATED)
+            if tied and placer.on_host(None):
+                placement.host_weights += t.n_bytes
+            elif tied:  # the output layer gets its own copy (TENSOR_DUPLICATED)
                 placer.place(placement.weights, t.n_bytes, None, t.shape[1])
             continue
         layer, units = _tensor_units(header, layers, t.name, t.shape, t.ggml_type)
         if layer is not None and layer >= layers.n_main and not mtp_loaded:
             continue  # MTP blocks are skipped unless a draft-mtp context loads them
-        placer.place(placement.weights, t.n_bytes, layer, units)
+        if placer.on_host(layer):
+            placement.host_weights += t.n_bytes
+        else:
+            placer.place(placement.weights, t.n_bytes, layer, units)
 
 
 def compute_buffer_bytes(
@@ -435,13 +468,14 @@ class _Config:
     mtp_draft_n_max: int
     draft_type_k: str = "f16"
     draft_type_v: str = "f16"
+    n_gpu_layers: int | None = None  # None: every layer (-ngl all)
 
 
 def _place_all(
     header: GgufHeader, layers: _Layers, cfg: _Config, ratio: Sequence[float]
 ) -> _Placement:
     n = len(ratio)
-    placer = _Placer(header, layers, cfg.split_mode, ratio)
+    placer = _Placer(header, layers, cfg.split_mode, ratio, cfg.n_gpu_layers)
     placement = _Placement(n)
     mtp = cfg.mtp_draft_n_max > 0 and layers.n_all > layers.n_main
     _place_weights(placer, placement, mtp)
@@ -449,8 +483,8 @@ def _place_all(
     per_stream, n_stream = kv_cells(cfg.ctx, cfg.n_parallel, cfg.kv_unified)
     cells = per_stream * n_stream
     for il in range(layers.n_all):
-        if not layers.attention[il] or (il >= layers.n_main and not mtp):
-            continue
+        if not layers.attention[il] or (il >= layers.n_main and not mtp) or placer.on_host(il):
+            continue  # a layer left on the host keeps its KV cache there (offload_kqv)
         # the MTP draft context keeps its cache in the draft types (-ctkd/-ctvd, default f16)
         kv_type = (
             (cfg.type_k, cfg.type_v) if il < layers.n_main else (cfg.draft_type_k, cfg.draft_type_v)
@@ -462,7 +496,7 @@ def _place_all(
     rows = max(1, cfg.n_parallel) * (1 + n_rs_seq)
     state_row = _recurrent_row_bytes(header)
     for il in range(layers.n_main):
-        if layers.recurrent[il]:
+        if layers.recurrent[il] and not placer.on_host(il):
             placer.place(placement.state, state_row * rows, il, max(header.ssm_group_count, 1))
 
     _place_compute(header, layers, cfg, placer, placement, per_stream, cells, mtp)
@@ -731,6 +765,7 @@ def plan_memory(
     mtp_draft_n_max: int = 0,
     draft_type_k: str = "f16",
     draft_type_v: str = "f16",
+    n_gpu_layers: int | None = None,
 ) -> MemoryPlan:
     """Plan a llama-server's memory on ``devices`` (in the order llama.cpp numbers them).
 
@@ -738,7 +773,10 @@ def plan_memory(
     multiple of 256 that fits, up to the model's context length. ``mtp_draft_n_max`` > 0 plans
     ``--spec-type ...draft-mtp --spec-draft-n-max N``: the MTP blocks load, a draft context with
     its own KV cache (``draft_type_k/v``: ``-ctkd/-ctvd``, f16 unless given) and compute buffer
-    is created, and hybrids keep N recurrent snapshots. Flash attention is assumed (tensor mode
+    is created, and hybrids keep N recurrent snapshots. ``n_gpu_layers`` (``-ngl N``; None:
+    all) offloads only the last N blocks, the output layer counted: the others keep their
+    weights, KV cache and state in host memory (the compute buffers are planned as for a full
+    offload, an upper bound). Flash attention is assumed (tensor mode
     forces it; CUDA's auto picks it). A plan that does not fit carries suggestions.
     """
     type_k, type_v = type_k.lower(), type_v.lower()
@@ -760,6 +798,7 @@ def plan_memory(
         mtp_draft_n_max,
         draft_type_k,
         draft_type_v,
+        n_gpu_layers,
     )
     planner = _Planner(header, devices, cfg, margin_mib)
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from llamarig import render
 from llamarig.gguf_header import GgufError, GgufHeader, read_gguf_header
-from llamarig.hardware import check_versions, gpu_from_pci_id
-from llamarig.memory import Device, MemoryPlan, plan_memory
+from llamarig.hardware import check_versions, gpu_from_pci_id, same_gpu_name
+from llamarig.memory import CTX_PAD, Device, MemoryPlan, kv_cells, plan_memory
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
 DEFAULT_DRAFT_MAX = 3
@@ -32,9 +32,6 @@ TENSOR_MODE_LIMITS = (
     "three or more GPUs crashed in ggml-backend-meta at some builds (llama.cpp #26837)",
 )
 
-# Names that differ between nvidia-smi and the PCI table ("NVIDIA GeForce RTX 3090" vs
-# "GeForce RTX 3090"): compared without vendor words.
-_VENDOR_WORDS = {"nvidia", "geforce"}
 VRAM_TOLERANCE = 0.05
 
 
@@ -133,10 +130,6 @@ class HostPlan:
         return "\n".join(lines)
 
 
-def _name_words(name: str) -> list[str]:
-    return [word for word in name.lower().split() if word not in _VENDOR_WORDS]
-
-
 def gpus_from_pci(devices: list[dict]) -> tuple[list[dict], list[str]]:
     """GPU records from PCI device ids (before a driver exists); unknown ids become warnings."""
     gpus, warnings = [], []
@@ -175,7 +168,7 @@ def compare_gpus(declared: list[dict], found: list[dict], where: str) -> list[st
     found_by_bus = sorted(found, key=lambda gpu: render.pci_sort_key(gpu.get("bus_id", "")))
     for want, have in zip(by_bus, found_by_bus, strict=True):
         label = have.get("bus_id") or want["name"]
-        if _name_words(want["name"]) != _name_words(have["name"]):
+        if not same_gpu_name(want["name"], have["name"]):
             problems.append(f"GPU at {label} is {have['name']!r}, declared {want['name']!r}")
         if want["compute_capability"] != have["compute_capability"]:
             problems.append(
@@ -235,6 +228,27 @@ def header_from_host(head: bytes | None, path: str, reason: str) -> tuple[GgufHe
         return read_gguf_header(head, name=path), ""
     except GgufError as error:
         return None, f"{reason}; {error}"
+
+
+def trained_context_problem(server: dict, header: GgufHeader) -> str | None:
+    """Why an explicit ``server.ctx`` gives a slot more than the model's trained context
+    (llama-server caps each slot there, so the KV cache beyond it holds nothing), or None."""
+    trained = header.arch_value("context_length")
+    if server["ctx"] == "auto" or not isinstance(trained, int) or trained <= 0:
+        return None
+    per_slot, _ = kv_cells(server["ctx"], server["parallel"], server["kv_unified"])
+    if per_slot <= trained:
+        return None
+    slots = 1 if server["kv_unified"] else server["parallel"]
+    largest = trained * slots // CTX_PAD * CTX_PAD
+    each = "the slot" if slots == 1 else f"each of the {slots} slots"
+    return (
+        f"server.ctx {server['ctx']} gives {each} {per_slot} tokens, above the model's trained "
+        f"context of {trained} ({header.architecture}.context_length): llama-server caps a "
+        "slot there, and the KV cache beyond it is memory spent for nothing; set "
+        f"`server.ctx: {largest}` or less (or auto), or `server.allow_ctx_beyond_trained: "
+        "true` to plan it anyway"
+    )
 
 
 def _mtp_draft(server: dict) -> int:
@@ -303,6 +317,10 @@ def plan_host(
         )
 
     plan = HostPlan(name, resolved, gpus, source, architectures, None, errors, warnings)
+    if header is not None and data["role"] != "rpc-worker":
+        problem = trained_context_problem(server, header)
+        if problem:
+            (warnings if server["allow_ctx_beyond_trained"] else errors).append(problem)
     wants_auto = "auto" in (server["ctx"], server["tensor_split"])
     if data["role"] == "rpc-worker":
         rpc = data["rpc"]
@@ -371,6 +389,8 @@ def plan_host(
             n_ubatch=server["ubatch"],
             margin_mib=limits["margin_mib"],
             mtp_draft_n_max=_mtp_draft(server),
+            # a count plans a partial offload; all and auto offload every layer
+            n_gpu_layers=server["gpu_layers"] if isinstance(server["gpu_layers"], int) else None,
         )
     except ValueError as error:
         errors.append(str(error))

@@ -233,11 +233,12 @@ def cuda_device_names(gpus: list[dict]) -> list[str]:
     return [f"CUDA{cuda_index[declared]}" for declared in range(len(gpus))]
 
 
-# Options the seed articles use that the pinned llama.cpp renamed: old -> new (with values).
+# Options the pinned llama.cpp renamed: old -> new (with values). Renamed options that land on
+# a planned one (--no-mmap, --draft-max) are refused by config instead, with the key to set
+# (llama_args.GUARDED); none of these may translate into one of those.
 RENAMED_FLAGS = {
-    "--no-mmap": ["-lm", "none"],
-    "--draft-max": ["--spec-draft-n-max"],
-    "--draft": ["--spec-draft-n-max"],
+    "--draft-min": ["--spec-draft-n-min"],
+    "--draft-n-min": ["--spec-draft-n-min"],
 }
 
 

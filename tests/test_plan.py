@@ -12,8 +12,10 @@ import pytest
 
 from llamarig.config import load_inventory
 from llamarig.gguf_header import read_gguf_header_file
+from llamarig.llama_args import GUARDED_FLAGS, option_name
 from llamarig.operations import server_flags
 from llamarig.plan import compare_gpus, gpus_from_pci, plan_host
+from llamarig.render import RENAMED_FLAGS
 from tests.conftest import PROJECT, pyinfra_env
 from tests.ggufmodels import Qwen35Shape, write_llama, write_qwen35
 
@@ -198,10 +200,16 @@ def test_mtp_on_a_model_without_mtp_layers_is_refused(seed, llama_8b_header):
 
 
 def test_renamed_flags_are_translated_with_a_warning(seed):
-    seed["server"]["extra_args"] = ["--no-mmap", "--draft-max", "4"]
+    seed["server"]["extra_args"] = ["--draft-min", "2", "--temp", "0.7"]
     plan = plan_host("rig1", seed, None)
-    assert plan.resolved["server"]["extra_args"] == ["-lm", "none", "--spec-draft-n-max", "4"]
-    assert any("--no-mmap is gone" in warning for warning in plan.warnings)
+    assert plan.resolved["server"]["extra_args"] == ["--spec-draft-n-min", "2", "--temp", "0.7"]
+    assert any("--draft-min is gone" in warning for warning in plan.warnings)
+
+
+def test_no_renamed_flag_translates_into_a_planned_one():
+    for old, new in RENAMED_FLAGS.items():
+        assert old not in GUARDED_FLAGS, old
+        assert not [arg for arg in new if option_name(arg) in GUARDED_FLAGS], (old, new)
 
 
 def test_server_flags_are_option_names_only():
