@@ -1275,14 +1275,19 @@ def _contradiction_problems(data: dict) -> list[tuple]:
 
 
 def _split_mode_none_problems(server: dict) -> list[tuple]:
-    if server["split_mode"] != "none" or server["tensor_split"] is None:
+    """One GPU serves with `split_mode: none`: a split over several contradicts it (a list
+    with one non-zero share only picks that card)."""
+    split = server["tensor_split"]
+    if server["split_mode"] != "none" or not isinstance(split, list):
+        return []
+    if sum(1 for share in split if share) < 2:
         return []
     return [
         (
             ("server", "tensor_split"),
-            f"{_shown(server['tensor_split'])} splits the model over GPUs, but `split_mode: "
-            "none` serves from one (the first of `gpus`): remove tensor_split (null), or set "
-            "`split_mode: layer` or `tensor`",
+            f"{_shown(split)} splits the model over GPUs, but `split_mode: none` serves from "
+            "one (the first of `gpus`): remove tensor_split (null), or set `split_mode: layer` "
+            "or `tensor`",
         )
     ]
 

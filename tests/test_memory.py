@@ -1,3 +1,4 @@
+import math
 from dataclasses import replace
 
 import pytest
@@ -5,6 +6,7 @@ import pytest
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.memory import (
     MIB,
+    ON_HOST,
     Device,
     compute_buffer_bytes,
     kv_cache_bytes,
@@ -308,3 +310,48 @@ def test_ctx_auto_reaches_a_small_models_context(tmp_path):
     )
     plan = plan_memory(header, SEED_RIG, "tensor", "auto", "auto", type_k="q8_0", type_v="q8_0")
     assert plan.ctx == 32768 and plan.fits
+
+
+def test_layer_devices_leave_the_first_blocks_on_the_host_under_ngl():
+    # -ngl 3 of 4 blocks + output: i_gpu_start = 5 - 3 = 2; the 3 offloaded split at 1/2
+    assert layer_devices(4, [1, 1], n_gpu_layers=3) == [ON_HOST, ON_HOST, 0, 0, 1]
+    assert layer_devices(4, [1, 1], n_gpu_layers=0) == [ON_HOST] * 5
+    assert layer_devices(4, [1, 1], n_gpu_layers=99) == layer_devices(4, [1, 1])
+
+
+def _block(name: str) -> int | None:
+    return int(name.split(".")[1]) if name.startswith("blk.") else None
+
+
+def test_partial_offload_keeps_the_first_layers_in_host_memory(llama8b):
+    """-ngl 17 of 32 blocks + output: blocks 0-15 stay on the host with their KV cache; the
+    GPU holds blocks 16-31 and the output layer, and half the KV cache."""
+    h200 = [Device("H200", 143771, 512)]
+    args = dict(split_mode="none", ctx=8192, type_k="q8_0", type_v="q8_0")
+    full = plan_memory(llama8b, h200, **args)
+    partial = plan_memory(llama8b, h200, **args, n_gpu_layers=17)
+    on_gpu = [t for t in llama8b.tensors if t.name != "token_embd.weight"]
+    on_gpu = [t for t in on_gpu if _block(t.name) is None or _block(t.name) >= 16]
+    host = [t for t in llama8b.tensors if t not in on_gpu]
+    gpu, full_gpu = partial.devices[0], full.devices[0]
+    assert gpu.weights_mib == math.ceil(sum(t.n_bytes for t in on_gpu) / MIB)
+    assert partial.host_weights_mib == math.ceil(sum(t.n_bytes for t in host) / MIB)
+    assert gpu.kv_mib == math.ceil(kv_cache_bytes(llama8b, 8192, 1, True, "q8_0", "q8_0") / 2 / MIB)
+    assert gpu.weights_mib < full_gpu.weights_mib and gpu.kv_mib < full_gpu.kv_mib
+    assert gpu.planned_mib < full_gpu.planned_mib
+    # llama.cpp's -ngl counts the output layer: 33 is everything, as is no count at all
+    assert plan_memory(llama8b, h200, **args, n_gpu_layers=33).devices == full.devices
+
+
+def test_partial_offload_in_layer_mode_shrinks_each_gpu(llama8b):
+    args = dict(split_mode="layer", tensor_split=[1, 1], ctx=8192)
+    full = plan_memory(llama8b, [RTX_3090, RTX_3090], **args)
+    partial = plan_memory(llama8b, [RTX_3090, RTX_3090], **args, n_gpu_layers=9)
+    # All 33: blocks 0-16 on GPU 0, 17-31 and the output on GPU 1 (il / 33 against 1/2).
+    # 9 offloaded: blocks 24-31 and the output; (il - 24) / 9 puts 24-28 on GPU 0, 29-31 on 1.
+    per_layer = full.devices[0].kv_mib // 17
+    assert [d.kv_mib for d in full.devices] == [17 * per_layer, 15 * per_layer]
+    assert [d.kv_mib for d in partial.devices] == [5 * per_layer, 3 * per_layer]
+    pairs = zip(partial.devices, full.devices, strict=True)
+    assert all(p.weights_mib < f.weights_mib for p, f in pairs)
+    assert partial.host_weights_mib > full.host_weights_mib

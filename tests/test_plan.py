@@ -258,3 +258,45 @@ def test_zero_share_gpu_is_planned_out(seed, llama_8b_header):
     document = plan.to_json()
     assert [d["name"] for d in document["devices"]] == [RTX_3090["name"]]
     assert any("zero share" in note for note in plan.notes)
+
+
+def test_ctx_above_the_trained_context_is_refused(seed, llama_8b_header):
+    seed["server"].update(split_mode="none", tensor_split=None, ctx=262144, kv_unified=True)
+    plan = plan_host("rig1", seed, llama_8b_header)
+    assert any(
+        "server.ctx 262144 gives the slot 262144 tokens, above the model's trained context of "
+        "131072 (llama.context_length)"
+        in error
+        and "`server.ctx: 131072` or less" in error
+        and "server.allow_ctx_beyond_trained: true" in error
+        for error in plan.errors
+    ), plan.errors
+
+
+def test_ctx_above_the_trained_context_is_a_warning_when_allowed(seed, llama_8b_header):
+    seed["server"].update(split_mode="none", tensor_split=None, ctx=262144, kv_unified=True)
+    seed["server"]["allow_ctx_beyond_trained"] = True
+    plan = plan_host("rig1", seed, llama_8b_header)
+    assert not [e for e in plan.errors if "trained context" in e], plan.errors
+    assert any("262144 tokens, above" in warning for warning in plan.warnings)
+    assert plan.memory.ctx == 262144
+
+
+def test_ctx_is_compared_per_slot(seed, llama_8b_header):
+    """Four slots of a 262144 context hold 65536 tokens each: within the trained 131072."""
+    seed["server"].update(split_mode="none", tensor_split=None, ctx=262144)
+    seed["server"].update(kv_unified=False, parallel=4)
+    plan = plan_host("rig1", seed, llama_8b_header)
+    assert not [e for e in plan.errors if "trained context" in e], plan.errors
+
+
+def test_a_gpu_layers_count_is_planned_as_a_partial_offload(seed, llama_8b_header):
+    seed["server"].update(split_mode="none", tensor_split=None, ctx=8192)
+    full = plan_host("rig1", seed, llama_8b_header).memory
+    seed["server"]["gpu_layers"] = 17
+    plan = plan_host("rig1", seed, llama_8b_header)
+    partial = plan.memory
+    assert partial.devices[0].kv_mib * 2 == full.devices[0].kv_mib  # 16 of 32 layers
+    assert partial.devices[0].weights_mib < full.devices[0].weights_mib
+    assert partial.host_weights_mib > full.host_weights_mib
+    assert plan.server_args[plan.server_args.index("-ngl") + 1] == "17"
