@@ -521,10 +521,10 @@ CASES = [
         ("host name 1 is an integer", 'quote it: "1"'),
     ),
     Case(
-        "host-settings-given-twice",
-        BASE + "    more:\n      hosts:\n        rig1: {server: {port: 9000}}\n",
-        "all.children.more.hosts.rig1",
-        ("already has settings at all.children.rigs.hosts.rig1", "`rig1:` with nothing after it"),
+        "group-inside-itself",
+        BASE + "      children:\n        more:\n          children:\n            rigs:\n",
+        "all.children.rigs.children.more",
+        ("group `more` contains `rigs` already", "a loop"),
     ),
     Case(
         "yaml-unclosed-brace",
