@@ -1013,6 +1013,7 @@ def semantic_problems(data: dict) -> list[tuple]:
         problems += _version_problems(data)
     problems += _gpu_list_problems(gpus)
     problems += _control_character_problems(data)
+    problems += _json_problems(server["chat_template_kwargs"], ("server", "chat_template_kwargs"))
     problems += _rpc_role_problems(data)
     return problems
 
@@ -1076,6 +1077,40 @@ def _rpc_role_problems(data: dict) -> list[tuple]:
                 )
             )
     return problems
+
+
+def _json_problems(value: Any, key_path: tuple) -> list[tuple]:
+    """What JSON cannot hold, in a setting passed as JSON: YAML's dates, sets and binary, a
+    key that is not a string (`1:`, `true:`, `null:` would reach llama.cpp renamed) and a
+    float that is not a number (.nan, .inf), each with its key path."""
+    if isinstance(value, dict):
+        problems = []
+        for key, item in value.items():
+            if not isinstance(key, str):
+                problems.append(
+                    (
+                        (*key_path, key),
+                        f"the key {key!r} is {_json_type(key)}; JSON keys are text: quote it "
+                        f'("{key}")',
+                    )
+                )
+            problems += _json_problems(item, (*key_path, key))
+        return problems
+    if isinstance(value, list):
+        return [
+            p for index, item in enumerate(value) for p in _json_problems(item, (*key_path, index))
+        ]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(key_path, f"{value} is not a number JSON can hold; give a finite number")]
+    if value is None or isinstance(value, str | int | float):
+        return []
+    return [
+        (
+            key_path,
+            f"is {_json_type(value)}, which JSON cannot hold (the value is passed to llama-server "
+            "as JSON); write it as a string, number, boolean, list or mapping",
+        )
+    ]
 
 
 def _control_character_problems(data: Any, key_path: tuple = ()) -> list[tuple]:
@@ -1344,12 +1379,20 @@ def connection_problems(inventory: Inventory) -> list[str]:
                     ),
                 )
             )
-        known_hosts = ssh.get("known_hosts")
-        if ssh.get("local") or accept_new or not known_hosts or not ssh.get("host"):
+        if ssh.get("local") or accept_new or not ssh.get("host"):
+            continue
+        known_hosts = ssh.get("known_hosts") or _default_known_hosts()
+        if not known_hosts:
             continue
         path = expand_path(known_hosts)
         port = ssh.get("port", 22)
-        if os.path.isfile(path) and _host_key_known(path, ssh["host"], port) is False:
+        if os.path.isfile(path):
+            known = _host_key_known(path, ssh["host"], port)
+        elif "known_hosts" in ssh:
+            continue  # a missing file named in the inventory is reported above
+        else:  # no ~/.ssh/known_hosts: paramiko knows no key at all
+            known = False
+        if known is False:
             name = ssh["host"] if port == 22 else f"[{ssh['host']}]:{port}"
             problems.append(
                 _located(
@@ -1359,9 +1402,27 @@ def connection_problems(inventory: Inventory) -> list[str]:
                     "add the box's key first (README, Enrolling a new box: `ssh-keyscan` it and "
                     "compare the fingerprint with the box's console), or set "
                     "`ssh.host_key_checking: accept-new` for the first run",
+                    in_inventory="known_hosts" not in ssh,
                 )
             )
     return problems
+
+
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+
+
+def _default_known_hosts() -> str | None:
+    """The file pyinfra checks host keys against when `ssh.known_hosts` is not set: the user's
+    ~/.ssh/known_hosts (after $HOME), or None where ~/.ssh/config may name another
+    (UserKnownHostsFile, or an Include that could), so that nothing is refused on a guess."""
+    config = Path(os.path.expanduser("~/.ssh/config"))
+    try:
+        text = config.read_text(encoding="utf-8", errors="replace").lower()
+    except FileNotFoundError:
+        return DEFAULT_KNOWN_HOSTS
+    except OSError:
+        return None
+    return None if "userknownhostsfile" in text or "include" in text else DEFAULT_KNOWN_HOSTS
 
 
 def rig_data(host_data: dict) -> dict:

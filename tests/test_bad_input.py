@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llamarig.config import ConfigError, load_inventory
-from tests.conftest import PROJECT, pyinfra_env
+from tests.conftest import PROJECT, offline, pyinfra_env
 
 SHA = "a" * 64
 GPU_3090 = '{name: NVIDIA GeForce RTX 3090, vram_mib: 24576, compute_capability: "8.6"}'
@@ -648,7 +648,7 @@ def refused_by(command: list[str], case: Case, tmp_path: Path) -> None:
     no traceback."""
     path = write(case, tmp_path)
     result = subprocess.run(
-        command,
+        offline(command),
         cwd=PROJECT,
         env=pyinfra_env(RIG_INVENTORY=str(path)),
         capture_output=True,

@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 
 from llamarig.config import ConfigError, load_inventory
+from tests.conftest import offline
 
 ANSIBLE_LISTINGS = Path(__file__).with_name("ansible_inventory_groups.json")
 
@@ -368,7 +369,7 @@ def ansible_listing(executable: str, path: Path) -> dict:
         "ANSIBLE_LOCAL_TEMP": str(home / "tmp"),
     }
     result = subprocess.run(
-        [executable, "-i", str(path), "--list"],
+        offline([executable, "-i", str(path), "--list"]),
         env=env,
         capture_output=True,
         text=True,
