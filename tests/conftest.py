@@ -2,11 +2,13 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+from llamarig.fileserver import make_server
 from tests.netguard import NetworkGuard
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -79,3 +81,16 @@ def offline(argv: list[str]) -> list[str]:
             "namespaces) so that the command cannot reach another machine"
         )
     return [*prefix, *argv]
+
+
+@pytest.fixture
+def file_server(tmp_path):
+    """Serve tmp_path/www over HTTP with range support (the sandbox's model server), on
+    loopback: where a test needs a model URL that answers."""
+    root = tmp_path / "www"
+    root.mkdir()
+    server = make_server(root, 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()

@@ -49,14 +49,14 @@ class NetworkGuard:
         self.violations.append(what)
         raise OSError(f"test network guard: {what} (tests reach only loopback)")
 
-    def _checked(self, original: Callable, where: Callable[[tuple], Any]) -> Callable:
+    def _checked(self, name: str, original: Callable, where: Callable[[tuple], Any]) -> Callable:
         guard = self
 
         def wrapper(sock, *args, **kwargs):
             address = where(args)
             if sock.family in (socket.AF_INET, socket.AF_INET6) and isinstance(address, tuple):
                 if not is_loopback(address[0]):
-                    guard._refuse(f"{original.__name__} to {address[0]}:{address[1]}")
+                    guard._refuse(f"{name} to {address[0]}:{address[1]}")
             return original(sock, *args, **kwargs)
 
         return wrapper
@@ -69,7 +69,7 @@ class NetworkGuard:
             ("sendto", lambda args: args[-1] if len(args) >= 2 else None),
             ("sendmsg", lambda args: args[3] if len(args) >= 4 else None),
         ):
-            monkeypatch.setattr(plain, name, self._checked(getattr(plain, name), where))
+            monkeypatch.setattr(plain, name, self._checked(name, getattr(plain, name), where))
         lookup = socket.getaddrinfo
         guard = self
 

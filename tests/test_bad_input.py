@@ -564,6 +564,36 @@ CASES = [
         where=":10:",
     ),
     Case(
+        "chat-kwargs-date",
+        host("server: {chat_template_kwargs: {when: 2024-01-01}}"),
+        "hosts.rig1.server.chat_template_kwargs.when",
+        ("is a date (quote it to keep it as text), which JSON cannot hold",),
+    ),
+    Case(
+        "chat-kwargs-set",
+        host("server: {chat_template_kwargs: {tags: !!set {a, b}}}"),
+        "hosts.rig1.server.chat_template_kwargs.tags",
+        ("is a set (!!set), which JSON cannot hold", "a string, number, boolean, list"),
+    ),
+    Case(
+        "chat-kwargs-binary",
+        host("server: {chat_template_kwargs: {blob: [!!binary aGk=]}}"),
+        "hosts.rig1.server.chat_template_kwargs.blob.0",
+        ("is binary data (!!binary), which JSON cannot hold",),
+    ),
+    Case(
+        "chat-kwargs-key-not-text",
+        host("server: {chat_template_kwargs: {1: one}}"),
+        "hosts.rig1.server.chat_template_kwargs.1",
+        ("the key 1 is an integer; JSON keys are text", 'quote it ("1")'),
+    ),
+    Case(
+        "chat-kwargs-nan",
+        host("server: {chat_template_kwargs: {temperature: .nan}}"),
+        "hosts.rig1.server.chat_template_kwargs.temperature",
+        ("nan is not a number JSON can hold",),
+    ),
+    Case(
         "yaml-recursive-alias",
         host("server: &s {chat_template_kwargs: *s}"),
         "",
