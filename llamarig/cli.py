@@ -11,6 +11,7 @@ import sys
 
 from llamarig import render
 from llamarig.config import ConfigError, inventory_path, load_inventory
+from llamarig.gguf_header import GgufError
 from llamarig.plan import HOST_HEADER_READ, gpus_from_pci, header_from_host, load_header, plan_host
 
 
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         print("llamarig: the rig configuration is not valid:", file=sys.stderr)
         for problem in error.problems:
             print(f"  {problem}", file=sys.stderr)
+        return 2
+    except GgufError as error:  # the --model file; it names itself
+        print(f"llamarig: {error}", file=sys.stderr)
         return 2
 
 

@@ -46,7 +46,7 @@ class HostConfig:
     """One host of the inventory with its merged, validated rig data."""
 
     name: str
-    groups: list[str]
+    groups: list[str]  # every group the host is in, in the order their vars merge (`all` first)
     data: dict[str, Any]
     # key path (tuple) -> file that set it, for error messages
     origins: dict[tuple, str] = field(default_factory=dict, repr=False)
@@ -241,6 +241,48 @@ def _record_origins(data: Any, origin: str, prefix: tuple, origins: dict[tuple, 
 
 
 GROUP_KEYS = ("vars", "hosts", "children")
+# Ansible's group variable that orders groups of one depth (higher merges later, and wins).
+GROUP_PRIORITY = "ansible_group_priority"
+
+
+@dataclass
+class _Group:
+    """One inventory group, gathered from every place the file writes it."""
+
+    vars: dict[str, Any] = field(default_factory=dict)
+    priority: int = 1  # Ansible's default
+    parents: list[str] = field(default_factory=list)
+
+
+def _group_priority(value: Any, where: str, problems: list[str]) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    problems.append(
+        f"{where}: is {_json_type(value)}; it must be an integer (groups of one depth merge "
+        "in the order of their priority, default 1, then of their names; the higher wins)"
+    )
+    return 1
+
+
+def _group_depths(groups: dict[str, _Group]) -> dict[str, int]:
+    """Each group's depth as Ansible counts it: `all` is 0, any other group one more than its
+    deepest parent (the longest path from `all`). The parents form no loop: the walk refuses
+    the entry that would close one."""
+    depths: dict[str, int] = {}
+    for start in groups:
+        stack = [start]
+        while stack:
+            name = stack[-1]
+            pending = [parent for parent in groups[name].parents if parent not in depths]
+            if name in depths:
+                stack.pop()
+            elif pending:
+                stack.extend(pending)
+            else:
+                parent_depths = [depths[parent] for parent in groups[name].parents]
+                depths[name] = 0 if name == "all" else 1 + max(parent_depths, default=0)
+                stack.pop()
+    return depths
 
 
 def _did_you_mean(key: Any, known: list[str] | tuple[str, ...]) -> str:
@@ -272,7 +314,10 @@ def _document_problem(path: Path, document: Any) -> str | None:
 def load_inventory(path: Path | None = None) -> Inventory:
     """Load, merge and validate every host of an inventory file.
 
-    Raises ConfigError listing every problem of every host at once.
+    A host's settings cascade as Ansible's (README, "How settings cascade"): group_data/all.yml,
+    then every group the host is in, ordered by depth, priority and name, each as its
+    group_data/GROUP.yml under its inventory `vars:`, then the host's own settings from all of
+    its entries. Raises ConfigError listing every problem of every host at once.
     """
     path = path or inventory_path()
     document = load_yaml(path)
@@ -295,12 +340,10 @@ def load_inventory(path: Path | None = None) -> Inventory:
         )
         raise ConfigError(problems)
 
-    hosts: dict[str, HostConfig] = {}
-    groups: dict[str, list[str]] = {}
-    defined: dict[str, str] = {}  # host name -> key path of the entry that gave its settings
-    base_origins: dict[tuple, str] = {}
-    defaults_name = str(DEFAULTS_PATH.relative_to(PROJECT_DIR))
-    _record_origins(_defaults_cached(), defaults_name, (), base_origins)
+    # Ansible's two implicit groups: `all` holds every group, `ungrouped` the hosts of no other.
+    groups: dict[str, _Group] = {"all": _Group(), "ungrouped": _Group(parents=["all"])}
+    host_settings: dict[str, dict] = {}  # every entry of a host, merged in document order
+    listed_in: dict[str, list[str]] = {}  # host -> the groups it is listed directly under
 
     def mapping(node: Any, key_path: str, what: str) -> dict:
         """``node`` as a mapping (null is empty); anything else is a problem, and empty."""
@@ -320,79 +363,141 @@ def load_inventory(path: Path | None = None) -> Inventory:
         )
         return False
 
-    def walk(group_name: str, node: Any, inherited: dict, origins: dict, key_path: str) -> None:
+    def ancestors(group_name: str) -> set[str]:
+        found: set[str] = set()
+        stack = list(groups[group_name].parents)
+        while stack:
+            parent = stack.pop()
+            if parent not in found:
+                found.add(parent)
+                stack.extend(groups[parent].parents)
+        return found
+
+    def walk(group_name: str, node: Any, key_path: str) -> None:
+        """Gather one place a group is written, in document order as Ansible's YAML inventory
+        plugin reads it: a group written twice is one group, with the vars, hosts and
+        children of both."""
         node = mapping(node, key_path, "a group: a mapping of `vars:`, `hosts:`, `children:`")
-        for key in node:
-            if key not in GROUP_KEYS:
+        group = groups.setdefault(group_name, _Group())
+        for key, value in node.items():
+            if key == "vars":
+                group_vars = mapping(value, f"{key_path}.vars", "a mapping of settings")
+                for name, setting in group_vars.items():
+                    if name == GROUP_PRIORITY:
+                        group.priority = _group_priority(
+                            setting, f"{path}: {key_path}.vars.{name}", problems
+                        )
+                    else:
+                        group.vars = deep_merge(group.vars, {name: setting})
+            elif key == "hosts":
+                hosts_here = mapping(
+                    value,
+                    f"{key_path}.hosts",
+                    "a mapping of host names to their settings (`rig1:` or `rig1: {ssh: ...}`, "
+                    "not a list `- rig1`)",
+                )
+                for host_name, settings in hosts_here.items():
+                    if not named(host_name, f"{key_path}.hosts.{host_name}", "host name"):
+                        continue
+                    if settings is not None and not isinstance(settings, dict):
+                        problems.append(
+                            f"{path}: hosts.{host_name}: is {_json_type(settings)}; a host's "
+                            "settings are a mapping such as `ssh: {host: ...}` (or nothing)"
+                        )
+                        continue
+                    # Ansible merges the settings of every entry of a host; the later wins.
+                    host_settings[host_name] = deep_merge(
+                        host_settings.get(host_name, {}), settings or {}
+                    )
+                    direct = listed_in.setdefault(host_name, [])
+                    if group_name not in direct:
+                        direct.append(group_name)
+            elif key == "children":
+                children = mapping(
+                    value,
+                    f"{key_path}.children",
+                    "a mapping of group names to groups (`rigs:` with `hosts:` under it, not a "
+                    "list)",
+                )
+                for child_name, child in children.items():
+                    child_path = f"{key_path}.children.{child_name}"
+                    if not named(child_name, child_path, "group name"):
+                        continue
+                    if child_name == "all":
+                        problems.append(
+                            f"{path}: {child_path}: `all` holds every group and cannot be the "
+                            "child of one; give this group another name"
+                        )
+                        continue
+                    walk(child_name, child, child_path)
+                    if child_name == group_name or child_name in ancestors(group_name):
+                        problems.append(
+                            f"{path}: {child_path}: group `{child_name}` contains `{group_name}` "
+                            "already, so it cannot also be its child (a loop); remove one of "
+                            "the two entries"
+                        )
+                    elif group_name not in groups[child_name].parents:
+                        groups[child_name].parents.append(group_name)
+            else:
                 hint = _did_you_mean(key, GROUP_KEYS)
                 problems.append(
                     f"{path}: {key_path}.{key}: unknown group key; {hint} "
                     "(a group has `vars`, `hosts` and `children`; host settings go under "
                     "`hosts: NAME:` or `vars:`)"
                 )
-        group_vars = mapping(node.get("vars"), f"{key_path}.vars", "a mapping of settings")
-        group_origins = dict(origins)
-        # group_data/GROUP.yml: the group's documented defaults, under its inventory vars.
-        group_file = DEFAULTS_PATH.parent / f"{group_name}.yml"
-        if group_name != "all" and group_file.is_file():
-            file_vars = load_yaml(group_file)
-            if not isinstance(file_vars, dict):
-                problems.append(f"{group_file}: is {_json_type(file_vars)}; it must be a mapping")
-                file_vars = {}
-            inherited = deep_merge(inherited, file_vars)
-            _record_origins(file_vars, str(group_file.relative_to(PROJECT_DIR)), (), group_origins)
-        data = deep_merge(inherited, group_vars)
-        _record_origins(group_vars, str(path), (), group_origins)
-        # Hosts directly under `all` form Ansible's implicit `ungrouped` group.
-        members = groups.setdefault("ungrouped" if group_name == "all" else group_name, [])
-        host_nodes = mapping(
-            node.get("hosts"),
-            f"{key_path}.hosts",
-            "a mapping of host names to their settings (`rig1:` or `rig1: {ssh: ...}`, "
-            "not a list `- rig1`)",
-        )
-        for host_name, host_vars in host_nodes.items():
-            entry = f"{key_path}.hosts.{host_name}"
-            if not named(host_name, entry, "host name"):
-                continue
-            if host_vars is not None and not isinstance(host_vars, dict):
-                problems.append(
-                    f"{path}: hosts.{host_name}: is {_json_type(host_vars)}; a host's settings "
-                    "are a mapping such as `ssh: {host: ...}` (or nothing)"
-                )
-                continue
-            host_vars = host_vars or {}
-            members.append(host_name)
-            if host_name in hosts:
-                hosts[host_name].groups.append(group_name)
-                if host_vars and host_name in defined:
-                    problems.append(
-                        f"{path}: {entry}: host `{host_name}` already has settings at "
-                        f"{defined[host_name]}; give them in one place (a second entry only "
-                        f"adds the host to this group: `{host_name}:` with nothing after it)"
-                    )
-                elif host_vars:
-                    defined[host_name] = entry
-                continue
-            if host_vars:
-                defined[host_name] = entry
-            host_origins = dict(group_origins)
-            _record_origins(host_vars, str(path), (), host_origins)
-            hosts[host_name] = HostConfig(
-                host_name, [group_name], deep_merge(data, host_vars), host_origins
-            )
-        children = mapping(
-            node.get("children"),
-            f"{key_path}.children",
-            "a mapping of group names to groups (`rigs:` with `hosts:` under it, not a list)",
-        )
-        for child_name, child in children.items():
-            child_path = f"{key_path}.children.{child_name}"
-            if named(child_name, child_path, "group name"):
-                walk(child_name, child, data, group_origins, child_path)
 
-    walk("all", document["all"], _defaults_cached(), base_origins, "all")
-    groups = {name: members for name, members in groups.items() if members}
+    walk("all", document["all"], "all")
+    depths = _group_depths(groups)
+    defaults_name = str(DEFAULTS_PATH.relative_to(PROJECT_DIR))
+    file_defaults: dict[str, tuple[dict, str] | None] = {}
+
+    def group_file_defaults(group_name: str) -> tuple[dict, str] | None:
+        """group_data/GROUP.yml, the group's documented defaults (loaded once), and its name."""
+        if group_name not in file_defaults:
+            group_file = DEFAULTS_PATH.parent / f"{group_name}.yml"
+            found = None
+            if group_name != "all" and group_file.is_file():
+                file_vars = load_yaml(group_file)
+                if not isinstance(file_vars, dict):
+                    problems.append(
+                        f"{group_file}: is {_json_type(file_vars)}; it must be a mapping"
+                    )
+                    file_vars = {}
+                found = (file_vars, str(group_file.relative_to(PROJECT_DIR)))
+            file_defaults[group_name] = found
+        return file_defaults[group_name]
+
+    hosts: dict[str, HostConfig] = {}
+    for host_name, settings in host_settings.items():
+        member_of = {"all", *listed_in[host_name]}
+        for group_name in listed_in[host_name]:
+            member_of |= ancestors(group_name)
+        if member_of - {"all", "ungrouped"}:
+            member_of.discard("ungrouped")  # as Ansible: a host in another group is not ungrouped
+        else:
+            member_of.add("ungrouped")
+        order = sorted(member_of, key=lambda name: (depths[name], groups[name].priority, name))
+        data = defaults()
+        origins: dict[tuple, str] = {}
+        _record_origins(data, defaults_name, (), origins)
+        for group_name in order:
+            # group_data/GROUP.yml sits right under the group's own inventory vars.
+            found = group_file_defaults(group_name)
+            if found:
+                data = deep_merge(data, found[0])
+                _record_origins(found[0], found[1], (), origins)
+            data = deep_merge(data, groups[group_name].vars)
+            _record_origins(groups[group_name].vars, str(path), (), origins)
+        data = deep_merge(data, settings)
+        _record_origins(settings, str(path), (), origins)
+        origins[()] = str(path)
+        hosts[host_name] = HostConfig(host_name, order, data, origins)
+
+    members: dict[str, list[str]] = {}
+    for host_config in hosts.values():
+        for group_name in host_config.groups:
+            if group_name != "all":
+                members.setdefault(group_name, []).append(host_config.name)
     if not hosts and not problems:
         problems.append(f"{path}: no hosts defined (add `all: children: GROUP: hosts: NAME: ...`)")
     for host_config in hosts.values():
@@ -403,7 +508,7 @@ def load_inventory(path: Path | None = None) -> Inventory:
         problems.extend(_rpc_topology_problems(hosts))
     if problems:
         raise ConfigError(problems)
-    return Inventory(path, hosts, groups)
+    return Inventory(path, hosts, {name: members[name] for name in groups if name in members})
 
 
 def _rpc_inventory_problems(hosts: dict[str, HostConfig]) -> list[str]:
@@ -1010,6 +1115,7 @@ def semantic_problems(data: dict) -> list[tuple]:
         problems += _version_problems(data)
     problems += _gpu_list_problems(gpus)
     problems += _control_character_problems(data)
+    problems += _json_problems(server["chat_template_kwargs"], ("server", "chat_template_kwargs"))
     problems += _rpc_role_problems(data)
     # The escape hatches, and settings that contradict each other, llama.cpp or the hardware.
     problems += llama_args.extra_args_problems(server["extra_args"])
@@ -1077,6 +1183,40 @@ def _rpc_role_problems(data: dict) -> list[tuple]:
                 )
             )
     return problems
+
+
+def _json_problems(value: Any, key_path: tuple) -> list[tuple]:
+    """What JSON cannot hold, in a setting passed as JSON: YAML's dates, sets and binary, a
+    key that is not a string (`1:`, `true:`, `null:` would reach llama.cpp renamed) and a
+    float that is not a number (.nan, .inf), each with its key path."""
+    if isinstance(value, dict):
+        problems = []
+        for key, item in value.items():
+            if not isinstance(key, str):
+                problems.append(
+                    (
+                        (*key_path, key),
+                        f"the key {key!r} is {_json_type(key)}; JSON keys are text: quote it "
+                        f'("{key}")',
+                    )
+                )
+            problems += _json_problems(item, (*key_path, key))
+        return problems
+    if isinstance(value, list):
+        return [
+            p for index, item in enumerate(value) for p in _json_problems(item, (*key_path, index))
+        ]
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(key_path, f"{value} is not a number JSON can hold; give a finite number")]
+    if value is None or isinstance(value, str | int | float):
+        return []
+    return [
+        (
+            key_path,
+            f"is {_json_type(value)}, which JSON cannot hold (the value is passed to llama-server "
+            "as JSON); write it as a string, number, boolean, list or mapping",
+        )
+    ]
 
 
 def _control_character_problems(data: Any, key_path: tuple = ()) -> list[tuple]:
@@ -1588,12 +1728,20 @@ def connection_problems(inventory: Inventory) -> list[str]:
                     ),
                 )
             )
-        known_hosts = ssh.get("known_hosts")
-        if ssh.get("local") or accept_new or not known_hosts or not ssh.get("host"):
+        if ssh.get("local") or accept_new or not ssh.get("host"):
+            continue
+        known_hosts = ssh.get("known_hosts") or _default_known_hosts()
+        if not known_hosts:
             continue
         path = expand_path(known_hosts)
         port = ssh.get("port", 22)
-        if os.path.isfile(path) and _host_key_known(path, ssh["host"], port) is False:
+        if os.path.isfile(path):
+            known = _host_key_known(path, ssh["host"], port)
+        elif "known_hosts" in ssh:
+            continue  # a missing file named in the inventory is reported above
+        else:  # no ~/.ssh/known_hosts: paramiko knows no key at all
+            known = False
+        if known is False:
             name = ssh["host"] if port == 22 else f"[{ssh['host']}]:{port}"
             problems.append(
                 _located(
@@ -1603,9 +1751,27 @@ def connection_problems(inventory: Inventory) -> list[str]:
                     "add the box's key first (README, Enrolling a new box: `ssh-keyscan` it and "
                     "compare the fingerprint with the box's console), or set "
                     "`ssh.host_key_checking: accept-new` for the first run",
+                    in_inventory="known_hosts" not in ssh,
                 )
             )
     return problems
+
+
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+
+
+def _default_known_hosts() -> str | None:
+    """The file pyinfra checks host keys against when `ssh.known_hosts` is not set: the user's
+    ~/.ssh/known_hosts (after $HOME), or None where ~/.ssh/config may name another
+    (UserKnownHostsFile, or an Include that could), so that nothing is refused on a guess."""
+    config = Path(os.path.expanduser("~/.ssh/config"))
+    try:
+        text = config.read_text(encoding="utf-8", errors="replace").lower()
+    except FileNotFoundError:
+        return DEFAULT_KNOWN_HOSTS
+    except OSError:
+        return None
+    return None if "userknownhostsfile" in text or "include" in text else DEFAULT_KNOWN_HOSTS
 
 
 def rig_data(host_data: dict) -> dict:

@@ -8,6 +8,7 @@ data is read, so the first few MB of a model (fetched over SSH, say) are enough.
 """
 
 import io
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,14 @@ MAX_STRING_BYTES = 1 << 28
 MAX_ARRAY_ITEMS = 1 << 28
 MAX_COUNT = 1 << 24
 READ_CHUNK = 1 << 20
+# LLAMA_MAX_LAYERS in src/llama-hparams.h: llama.cpp refuses a model with more blocks.
+MAX_LAYERS = 512
+_BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
+# Tensors the planner sizes by their second dimension: the embedding and output matrices and
+# the FFN weights that tensor mode splits by rows (memory.py's _FFN_SPLIT).
+_MATRIX_TENSOR = re.compile(
+    r"(token_embd|output)\.weight|blk\.\d+\.ffn_(up|gate|down|gate_up)(_exps|_shexp)?\.weight"
+)
 
 
 class GgufError(ValueError):
@@ -255,6 +264,98 @@ class GgufHeader:
     @property
     def total_tensor_bytes(self) -> int:
         return sum(t.n_bytes for t in self.tensors)
+
+    def check_shape(self) -> None:
+        """Raise GgufError naming the file and the first value the planner cannot use: a
+        missing or mistyped model dimension, a per-layer list of the wrong length, a tensor of
+        a block the model does not have, a matrix with one dimension. A header that passes
+        gives every property above a number of the right type."""
+        problem = self._shape_problem()
+        if problem:
+            raise GgufError(
+                f"{self.source}: {problem}; the header is corrupt or truncated (download the "
+                "file again, or plan with a good copy: --model PATH)"
+            )
+
+    def _shape_problem(self) -> str | None:
+        if not isinstance(self.metadata.get("general.architecture"), str):
+            return "no general.architecture key (a string)"
+        arch = self.architecture
+
+        def integer(suffix: str, low: int, high: int | None = None, required: bool = False):
+            value = self.arch_value(suffix)
+            if value is None:
+                return f"no {arch}.{suffix} key" if required else None
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= low
+            if not ok or (high is not None and value > high):
+                bound = f"{low} to {high}" if high is not None else f"at least {low}"
+                return f"{arch}.{suffix} is {_shown(value)}; it must be an integer, {bound}"
+            return None
+
+        problem = integer("block_count", 1, MAX_LAYERS, required=True)
+        if problem:
+            return problem
+        n_all = self.block_count
+        for suffix, low, high, required in (
+            ("nextn_predict_layers", 0, n_all - 1, False),
+            ("context_length", 1, None, True),
+            ("embedding_length", 1, None, True),
+            ("attention.key_length", 1, None, False),
+            ("attention.value_length", 1, None, False),
+            ("full_attention_interval", 1, None, False),
+            ("vocab_size", 1, None, False),
+            *((f"ssm.{name}", 0, None, False) for name in _SSM_KEYS),
+        ):
+            problem = integer(suffix, low, high, required)
+            if problem:
+                return problem
+        for suffix, low, default in (
+            ("attention.head_count", 0, None),
+            ("attention.head_count_kv", 0, self.arch_value("attention.head_count")),
+        ):
+            value = self.arch_value(suffix, default)
+            counts = value if isinstance(value, list) else [value]
+            if value is None or isinstance(value, list) and len(value) != n_all:
+                return (
+                    f"{arch}.{suffix} is {_shown(value)}; it must be a count or a list of one "
+                    f"count per block ({n_all})"
+                )
+            if not all(isinstance(c, int) and not isinstance(c, bool) and c >= low for c in counts):
+                return f"{arch}.{suffix} is {_shown(value)}; counts are integers, at least {low}"
+        if self.arch_value("attention.key_length") is None and self.head_count_at(0) < 1:
+            return f"{arch}.attention.head_count of block 0 is 0 and no attention.key_length"
+        flags = self.arch_value("attention.recurrent_layers")
+        if flags is not None and (
+            not isinstance(flags, list) or len(flags) < self.main_layer_count
+        ):
+            return (
+                f"{arch}.attention.recurrent_layers is {_shown(flags)}; it must be a list of one "
+                f"flag per block ({n_all})"
+            )
+        tokens = self.metadata.get("tokenizer.ggml.tokens")
+        has_vocab = isinstance(tokens, list) and tokens or self.arch_value("vocab_size")
+        embedding = self.tensor("token_embd.weight")
+        if not has_vocab and (embedding is None or len(embedding.shape) < 2):
+            return "no vocabulary size (tokenizer.ggml.tokens, vocab_size or token_embd.weight)"
+        for tensor in self.tensors:
+            block = _BLOCK_TENSOR.match(tensor.name)
+            if block and int(block.group(1)) >= n_all:
+                return (
+                    f"tensor {tensor.name} belongs to block {block.group(1)}, but "
+                    f"{arch}.block_count is {n_all} (blocks 0 to {n_all - 1})"
+                )
+            if len(tensor.shape) < 2 and _MATRIX_TENSOR.fullmatch(tensor.name):
+                return f"tensor {tensor.name} has shape {list(tensor.shape)}; it is a matrix"
+        return None
+
+
+# ssm.* dimensions the planner reads (llama-hparams.cpp n_embd_r / n_embd_s).
+_SSM_KEYS = ("conv_kernel", "inner_size", "state_size", "group_count", "time_step_rank")
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _per_layer(value: int | list[int], layer: int) -> int:

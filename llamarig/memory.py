@@ -228,6 +228,7 @@ def kv_cache_bytes(
     type_v: str = "f16",
 ) -> int:
     """Bytes of the main context's KV cache (all attention layers of the main pass)."""
+    header.check_shape()
     layers = _layers(header)
     per_stream, n_stream = kv_cells(ctx, n_parallel, kv_unified)
     return sum(
@@ -722,8 +723,15 @@ class _Planner:
         if best_ctx:
             found.append(f"-c {best_ctx} fits (the largest multiple of 256 with these settings)")
         current = _bytes_per_value(self.cfg.type_k) + _bytes_per_value(self.cfg.type_v)
+        heads = (self.header.key_length, self.header.value_length)
         lighter = sorted(
-            (t for t in FA_TYPE_PAIRS if 2 * _bytes_per_value(t) < current),
+            (
+                t
+                for t in FA_TYPE_PAIRS
+                if 2 * _bytes_per_value(t) < current
+                # llama.cpp refuses a KV type whose blocks do not divide the head size
+                and not any(head % ggml_type(t).block_size for head in heads)
+            ),
             key=_bytes_per_value,
             reverse=True,
         )
@@ -779,6 +787,7 @@ def plan_memory(
     offload, an upper bound). Flash attention is assumed (tensor mode
     forces it; CUDA's auto picks it). A plan that does not fit carries suggestions.
     """
+    header.check_shape()  # a corrupt header is a GgufError naming the file, not an IndexError
     type_k, type_v = type_k.lower(), type_v.lower()
     draft_type_k, draft_type_v = draft_type_k.lower(), draft_type_v.lower()
     _validate(header, split_mode, type_k, type_v, len(devices))

@@ -202,10 +202,17 @@ def fetch_header(url: str) -> GgufHeader:
 
 def load_header(data: dict, model_path: str | None = None) -> tuple[GgufHeader | None, str]:
     """The model header for planning: a local file, else the configured URL. Returns
-    (header, "") or (None, why it cannot be had)."""
-    if model_path:
-        with open(model_path, "rb") as model:
-            return read_gguf_header(model, name=model_path), ""
+    (header, "") or (None, why it cannot be had); raises GgufError when the local file named
+    by ``model_path`` is missing or not a GGUF header."""
+    if model_path:  # the user's own copy: a file that cannot be read is an error, not a note
+        try:
+            with open(model_path, "rb") as model:
+                return read_gguf_header(model, name=model_path), ""
+        except OSError as error:
+            raise GgufError(
+                f"{model_path}: cannot be read ({error.strerror or error}); give --model the "
+                "path of a local copy of the model"
+            ) from None
     url = data["model"]["url"]
     if not url:
         return None, "the model is a file on the host (plan with --model PATH, a local copy)"

@@ -1,8 +1,15 @@
 import os
+import shutil
+import subprocess
 import sys
+import threading
+from functools import cache
 from pathlib import Path
 
 import pytest
+
+from llamarig.fileserver import make_server
+from tests.netguard import NetworkGuard
 
 PROJECT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
@@ -30,3 +37,60 @@ def pyinfra_env(**extra) -> dict:
     env["PATH"] = f"{VENV_BIN}:{env['PATH']}"
     env.update(extra)
     return env
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch) -> Path:
+    """A fresh $HOME per test: nothing is read from or written to the user's ~/.ssh (the
+    default known_hosts, ssh config, keys), in-process or in the commands a test runs."""
+    directory = tmp_path / "home"
+    directory.mkdir()
+    monkeypatch.setenv("HOME", str(directory))
+    return directory
+
+
+@pytest.fixture(autouse=True)
+def network_guard(monkeypatch):
+    """Fail any test whose code opens a socket to an address outside loopback or asks DNS."""
+    guard = NetworkGuard()
+    guard.install(monkeypatch)
+    yield guard
+    if guard.violations:
+        pytest.fail(
+            "the test reached outside loopback: " + "; ".join(guard.violations), pytrace=False
+        )
+
+
+@cache
+def _namespace_prefix() -> tuple[str, ...] | None:
+    """`unshare --net` (a user namespace too when not root), if this machine allows it."""
+    if not shutil.which("unshare"):
+        return None
+    prefix = ("unshare", "--net") + (() if os.geteuid() == 0 else ("--map-root-user",))
+    probe = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+    return (*prefix, "--") if probe.returncode == 0 else None
+
+
+def offline(argv: list[str]) -> list[str]:
+    """``argv`` run in a network namespace of its own: no interface but a down loopback, so
+    nothing it does can reach another machine (a connection fails as unreachable)."""
+    prefix = _namespace_prefix()
+    if prefix is None:
+        pytest.skip(
+            "needs a network namespace (`unshare --net` from util-linux, as root or with user "
+            "namespaces) so that the command cannot reach another machine"
+        )
+    return [*prefix, *argv]
+
+
+@pytest.fixture
+def file_server(tmp_path):
+    """Serve tmp_path/www over HTTP with range support (the sandbox's model server), on
+    loopback: where a test needs a model URL that answers."""
+    root = tmp_path / "www"
+    root.mkdir()
+    server = make_server(root, 0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield root, f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from llamarig.config import ConfigError, load_inventory
-from tests.conftest import PROJECT, pyinfra_env
+from tests.conftest import PROJECT, offline, pyinfra_env
 
 SHA = "a" * 64
 GPU_3090 = '{name: NVIDIA GeForce RTX 3090, vram_mib: 24576, compute_capability: "8.6"}'
@@ -521,10 +521,10 @@ CASES = [
         ("host name 1 is an integer", 'quote it: "1"'),
     ),
     Case(
-        "host-settings-given-twice",
-        BASE + "    more:\n      hosts:\n        rig1: {server: {port: 9000}}\n",
-        "all.children.more.hosts.rig1",
-        ("already has settings at all.children.rigs.hosts.rig1", "`rig1:` with nothing after it"),
+        "group-inside-itself",
+        BASE + "      children:\n        more:\n          children:\n            rigs:\n",
+        "all.children.rigs.children.more",
+        ("group `more` contains `rigs` already", "a loop"),
     ),
     Case(
         "yaml-unclosed-brace",
@@ -562,6 +562,36 @@ CASES = [
         "",
         ("cannot read the value '2024-13-45' as timestamp", "quote it"),
         where=":10:",
+    ),
+    Case(
+        "chat-kwargs-date",
+        host("server: {chat_template_kwargs: {when: 2024-01-01}}"),
+        "hosts.rig1.server.chat_template_kwargs.when",
+        ("is a date (quote it to keep it as text), which JSON cannot hold",),
+    ),
+    Case(
+        "chat-kwargs-set",
+        host("server: {chat_template_kwargs: {tags: !!set {a, b}}}"),
+        "hosts.rig1.server.chat_template_kwargs.tags",
+        ("is a set (!!set), which JSON cannot hold", "a string, number, boolean, list"),
+    ),
+    Case(
+        "chat-kwargs-binary",
+        host("server: {chat_template_kwargs: {blob: [!!binary aGk=]}}"),
+        "hosts.rig1.server.chat_template_kwargs.blob.0",
+        ("is binary data (!!binary), which JSON cannot hold",),
+    ),
+    Case(
+        "chat-kwargs-key-not-text",
+        host("server: {chat_template_kwargs: {1: one}}"),
+        "hosts.rig1.server.chat_template_kwargs.1",
+        ("the key 1 is an integer; JSON keys are text", 'quote it ("1")'),
+    ),
+    Case(
+        "chat-kwargs-nan",
+        host("server: {chat_template_kwargs: {temperature: .nan}}"),
+        "hosts.rig1.server.chat_template_kwargs.temperature",
+        ("nan is not a number JSON can hold",),
     ),
     Case(
         "yaml-recursive-alias",
@@ -648,7 +678,7 @@ def refused_by(command: list[str], case: Case, tmp_path: Path) -> None:
     no traceback."""
     path = write(case, tmp_path)
     result = subprocess.run(
-        command,
+        offline(command),
         cwd=PROJECT,
         env=pyinfra_env(RIG_INVENTORY=str(path)),
         capture_output=True,

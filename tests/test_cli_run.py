@@ -3,7 +3,7 @@
 import subprocess
 import sys
 
-from tests.conftest import PROJECT, pyinfra_env
+from tests.conftest import PROJECT, offline, pyinfra_env
 
 RIG = """
 all:
@@ -21,7 +21,7 @@ all:
 
 def run_cli(inventory, *args):
     return subprocess.run(
-        [sys.executable, "-m", "llamarig.cli", "run", *args],
+        offline([sys.executable, "-m", "llamarig.cli", "run", *args]),
         cwd=PROJECT,
         env=pyinfra_env(RIG_INVENTORY=str(inventory)),
         capture_output=True,

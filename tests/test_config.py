@@ -3,10 +3,11 @@
 import subprocess
 import sys
 
+import paramiko
 import pytest
 
 from llamarig.config import ConfigError, load_inventory
-from tests.conftest import PROJECT, pyinfra_env
+from tests.conftest import PROJECT, offline, pyinfra_env
 
 MINIMAL = """
 all:
@@ -124,7 +125,7 @@ def test_defaults_file_is_blamed_for_defaults(write_inventory):
 def dry_run(inventory) -> subprocess.CompletedProcess:
     """`pyinfra inventory.py deploy.py --dry` with RIG_INVENTORY=inventory."""
     return subprocess.run(
-        [sys.executable, "-m", "pyinfra", "inventory.py", "deploy.py", "--dry"],
+        offline([sys.executable, "-m", "pyinfra", "inventory.py", "deploy.py", "--dry"]),
         cwd=PROJECT,
         env=pyinfra_env(RIG_INVENTORY=str(inventory)),
         capture_output=True,
@@ -152,9 +153,14 @@ def test_missing_key_file_is_named_before_connecting(write_inventory, tmp_path):
     assert f"hosts.rig1.ssh.key: the private key {tmp_path}/nokey does not exist" in result.stderr
 
 
-def test_example_rig_dry_run_fails_only_on_the_connection():
-    """The seed rig's inventory is valid and its deploy gets as far as connecting (192.0.2.10
-    is a documentation address that nothing answers)."""
+def test_example_rig_dry_run_fails_only_on_the_connection(home):
+    """The seed rig's inventory is valid and its deploy gets as far as connecting: to
+    192.0.2.10, a documentation address, from a network namespace with no route out, so the
+    connection fails at once and no packet leaves. The rig names no `ssh.known_hosts`, so its
+    key must be in ~/.ssh/known_hosts (of the test's $HOME) to get that far."""
+    (home / ".ssh").mkdir()
+    key = paramiko.RSAKey.generate(1024)
+    (home / ".ssh" / "known_hosts").write_text(f"192.0.2.10 ssh-rsa {key.get_base64()}\n")
     result = dry_run("inventory/example-5080-3090.yml")
     output = result.stdout + result.stderr
     assert result.returncode == 1

@@ -16,7 +16,7 @@ from llamarig.llama_args import GUARDED_FLAGS, option_name
 from llamarig.operations import server_flags
 from llamarig.plan import compare_gpus, gpus_from_pci, plan_host
 from llamarig.render import RENAMED_FLAGS
-from tests.conftest import PROJECT, pyinfra_env
+from tests.conftest import PROJECT, offline, pyinfra_env
 from tests.ggufmodels import Qwen35Shape, write_llama, write_qwen35
 
 RTX_5080 = {"name": "NVIDIA GeForce RTX 5080", "vram_mib": 16303, "compute_capability": "12.0"}
@@ -223,7 +223,10 @@ def test_plan_command_json_and_exit_status(tmp_path, qwen_header):
 
     def plan(*extra):
         return subprocess.run(
-            [sys.executable, "-m", "llamarig.cli", "plan", "--json", "--model", str(model), *extra],
+            offline(
+                [sys.executable, "-m", "llamarig.cli", "plan", "--json", "--model", str(model)]
+                + list(extra)
+            ),
             cwd=PROJECT,
             env=pyinfra_env(RIG_INVENTORY="inventory/example-5080-3090.yml"),
             capture_output=True,
@@ -240,7 +243,7 @@ def test_plan_command_json_and_exit_status(tmp_path, qwen_header):
     inventory = (PROJECT / "inventory" / "example-5080-3090.yml").read_text()
     (tmp_path / "rig.yml").write_text(inventory.replace("margin_mib: 256", "margin_mib: 4096"))
     result = subprocess.run(
-        [sys.executable, "-m", "llamarig.cli", "plan", "--model", str(model)],
+        offline([sys.executable, "-m", "llamarig.cli", "plan", "--model", str(model)]),
         cwd=PROJECT,
         env=pyinfra_env(RIG_INVENTORY=str(tmp_path / "rig.yml")),
         capture_output=True,

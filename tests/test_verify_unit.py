@@ -1,8 +1,11 @@
 """`llamarig verify` glue: the ssh configuration it hands testinfra and the expectations file."""
 
+import re
+
 from llamarig.config import load_inventory
 from llamarig.verify import expectations, ssh_config
 from tests.conftest import PROJECT
+from tests.ggufmodels import write_qwen35
 
 
 def test_ssh_config_checks_host_keys():
@@ -15,8 +18,15 @@ def test_ssh_config_checks_host_keys():
     assert "IdentityFile /k" in text and "BatchMode yes" in text
 
 
-def test_expectations_carry_the_planned_data():
-    host = load_inventory(PROJECT / "inventory" / "example-5080-3090.yml").hosts["rig1"]
+def test_expectations_carry_the_planned_data(file_server, tmp_path):
+    """The seed rig, its model URL pointed at a loopback server holding a header of the same
+    shape (the real one is on Hugging Face, and the host at a documentation address)."""
+    www, url = file_server
+    write_qwen35(www / "model.gguf")
+    seed = (PROJECT / "inventory" / "example-5080-3090.yml").read_text()
+    real_url = re.search(r"url: (https://huggingface\.co/\S+)", seed).group(1)
+    (tmp_path / "rig.yml").write_text(seed.replace(real_url, f"{url}/model.gguf"))
+    host = load_inventory(tmp_path / "rig.yml").hosts["rig1"]
     expected = expectations(host)
     assert expected["data"]["server"]["tensor_split"] == [2, 3]
     assert expected["derived"]["base_url"] == "http://127.0.0.1:8001"
