@@ -14,7 +14,6 @@ import json
 import math
 import os
 import reprlib
-import unicodedata
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -24,6 +23,7 @@ import yaml
 from jsonschema import Draft202012Validator, validators
 
 from llamarig import PACKAGE_DIR, PROJECT_DIR, hardware
+from llamarig.shapes import foreign_characters, shape_problems, url_file_name
 
 SCHEMA_PATH = PACKAGE_DIR / "schema.json"
 DEFAULTS_PATH = PROJECT_DIR / "group_data" / "all.yml"
@@ -658,6 +658,8 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
     expected = description or _expected(error.schema)
     if error.validator == "enum":
         wrong = f"{_shown(error.instance)} is not allowed"
+        if isinstance(error.instance, str):
+            wrong += foreign_characters(error.instance)
         expected = description or "one of " + ", ".join(map(str, error.validator_value))
     elif error.validator == "type":
         if isinstance(error.instance, float) and not math.isfinite(error.instance):
@@ -907,8 +909,8 @@ def semantic_problems(data: dict) -> list[tuple]:
             )
         problems += _version_problems(data)
     problems += _gpu_list_problems(gpus)
-    problems += _control_character_problems(data)
     problems += _rpc_role_problems(data)
+    problems += shape_problems(data)
     return problems
 
 
@@ -970,34 +972,6 @@ def _rpc_role_problems(data: dict) -> list[tuple]:
                     "whole layers; use `layer`",
                 )
             )
-    return problems
-
-
-def _control_character_problems(data: Any, key_path: tuple = ()) -> list[tuple]:
-    """Settings are one line of plain text: a newline or NUL in an address, a path or an
-    argument would end up in an ssh_config, a unit or an environment file as a line of its
-    own. Only `server.chat_template_kwargs`, passed as JSON, may hold any text."""
-    if key_path == ("server", "chat_template_kwargs"):
-        return []
-    if isinstance(data, str):
-        bad = [ch for ch in data if unicodedata.category(ch) == "Cc"]
-        if bad:
-            return [
-                (
-                    key_path,
-                    f"{_shown(data)} contains the control character {ascii(bad[0])}; a setting "
-                    "is one line of plain text: remove it",
-                )
-            ]
-        return []
-    if not isinstance(data, dict | list):
-        return []
-    items = data.items() if isinstance(data, dict) else enumerate(data)
-    problems = []
-    for key, value in items:
-        if isinstance(key, str) and any(unicodedata.category(ch) == "Cc" for ch in key):
-            problems.append(((*key_path, key), "the key's name contains a control character"))
-        problems += _control_character_problems(value, (*key_path, key))
     return problems
 
 
@@ -1133,8 +1107,9 @@ def model_filename(data: dict) -> str:
     model = data["model"]
     if model["filename"]:
         return model["filename"]
-    source = model["url"] or model["path"] or ""
-    return source.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    if model["url"]:
+        return url_file_name(model["url"])
+    return (model["path"] or "").rstrip("/").rsplit("/", 1)[-1]
 
 
 def expand_path(path: str) -> str:

@@ -141,11 +141,15 @@ class ServerProbe(FactBase):
     """
 
     def command(self, base_url: str) -> str:
-        body = '{"prompt": "Hello", "n_predict": 4, "temperature": 0}'
+        body = shlex.quote('{"prompt": "Hello", "n_predict": 4, "temperature": 0}')
+        health, completion = (
+            shlex.quote(f"{base_url}/health"),
+            shlex.quote(f"{base_url}/completion"),
+        )
         return (
-            f"curl -s -o /dev/null -w '%{{http_code}}\\n' {base_url}/health || echo 000; "
-            f"curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d '{body}' "
-            f"{base_url}/completion || true"
+            f"curl -s -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
+            f"curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
+            f"-- {completion} || true"
         )
 
     def process(self, output):

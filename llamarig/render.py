@@ -269,6 +269,27 @@ def systemd_quote(arg: str) -> str:
     return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def systemd_specifiers(text: str) -> str:
+    """``text`` with systemd's specifier character escaped (a value in a unit line where
+    systemd expands %-specifiers: a path, an environment assignment)."""
+    return text.replace("%", "%%")
+
+
+def systemd_environment(key: str, value: str) -> str:
+    """One quoted ``Environment=`` word: systemd unquotes it with C escapes, then expands
+    %-specifiers (an unknown one drops the whole assignment); `$` is not expanded there."""
+    assignment = systemd_specifiers(f"{key}={value}")
+    return '"' + assignment.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def env_file_assignment(key: str, value: str) -> str:
+    """One line of an ``EnvironmentFile=``: in double quotes systemd unescapes exactly
+    backslash, double quote, backtick and `$` (as sh does, so the file also reads in sh) and
+    expands nothing."""
+    escaped = "".join("\\" + ch if ch in '\\"`$' else ch for ch in value)
+    return f'{key}="{escaped}"'
+
+
 def service_environment(data: dict, service: str | None = None) -> dict[str, str]:
     """Environment of a unit (the server's, or ``service``, e.g. the RPC worker's)."""
     service = service or data["server"]["service"]
@@ -285,13 +306,18 @@ def service_environment(data: dict, service: str | None = None) -> dict[str, str
 
 
 def _templates() -> Environment:
-    return Environment(
+    templates = Environment(
         loader=FileSystemLoader(str(TEMPLATES_DIR)),
         undefined=StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
         lstrip_blocks=True,
     )
+    templates.globals.update(
+        systemd_environment=systemd_environment, env_file_assignment=env_file_assignment
+    )
+    templates.filters["systemd_specifiers"] = systemd_specifiers
+    return templates
 
 
 def unit_context(data: dict) -> dict:

@@ -1,6 +1,7 @@
 """Package repositories: NVIDIA's CUDA repository (keyring + deb822 source + branch pin) or the
 distribution's non-free components, then one apt update when needed."""
 
+import shlex
 from io import StringIO
 
 from pyinfra import host
@@ -25,10 +26,11 @@ if "nvidia-repo" in sources:
         source_ops.append(
             server.shell(
                 name=f"Install {keyring} {rig['nvidia_repo']['keyring_version']}",
+                # The URL is one quoted argument; the download goes to a fresh private file.
                 commands=[
-                    "curl -fsSL -o /tmp/llamarig-keyring.deb "
-                    + render.nvidia_keyring_url(rig, repo_dir),
-                    "dpkg -i /tmp/llamarig-keyring.deb && rm -f /tmp/llamarig-keyring.deb",
+                    'deb=$(mktemp --suffix=.deb) && curl -fsSL -o "$deb" -- '
+                    + shlex.quote(render.nvidia_keyring_url(rig, repo_dir))
+                    + ' && dpkg -i "$deb"; status=$?; rm -f "$deb"; exit $status',
                 ],
             )
         )
