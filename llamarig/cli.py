@@ -89,8 +89,9 @@ def ssh_command(data: dict, *options: str) -> list[str]:
         known_hosts = ssh_config_value(expand_path(ssh["known_hosts"]))
         command += ["-o", f"UserKnownHostsFile={known_hosts}"]
     if "key" in ssh:
-        # ssh expands %-tokens in -i; %% is a literal %.
-        command += ["-i", expand_path(ssh["key"]).replace("%", "%%")]
+        # As an option, not -i: ssh checks an -i path before it expands %-tokens in it, so no
+        # spelling of a path with `%` would work there.
+        command += ["-o", f"IdentityFile={ssh_config_value(expand_path(ssh['key']))}"]
     command += ["-p", str(ssh.get("port", 22)), *options]
     user = f"{ssh['user']}@" if "user" in ssh else ""
     return [*command, "--", f"{user}{ssh['host']}"]

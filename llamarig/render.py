@@ -261,12 +261,23 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+def _systemd_c_quoted(text: str) -> str:
+    """``text`` in double quotes for a unit line that systemd unquotes with C escapes: a
+    backslash, a double quote and any control character (which would end the line) escaped."""
+    escaped = "".join(
+        "\\" + ch if ch in '\\"' else f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch
+        for ch in text
+    )
+    return f'"{escaped}"'
+
+
 def systemd_quote(arg: str) -> str:
-    """Quote one argument for an ExecStart= line (systemd's own rules, not the shell's)."""
+    """Quote one argument for an ExecStart= line (systemd's own rules, not the shell's): %% and
+    $$ are a literal % and $."""
     escaped = arg.replace("%", "%%").replace("$", "$$")
     if escaped and all(ch.isalnum() or ch in "-_./:,=+@" for ch in escaped):
         return escaped
-    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return _systemd_c_quoted(escaped)
 
 
 def systemd_specifiers(text: str) -> str:
@@ -278,8 +289,7 @@ def systemd_specifiers(text: str) -> str:
 def systemd_environment(key: str, value: str) -> str:
     """One quoted ``Environment=`` word: systemd unquotes it with C escapes, then expands
     %-specifiers (an unknown one drops the whole assignment); `$` is not expanded there."""
-    assignment = systemd_specifiers(f"{key}={value}")
-    return '"' + assignment.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return _systemd_c_quoted(systemd_specifiers(f"{key}={value}"))
 
 
 def env_file_assignment(key: str, value: str) -> str:
@@ -453,6 +463,16 @@ def nvidia_keyring_url(data: dict, distribution_dir: str) -> str:
     return (
         f"{repo['url']}/{distribution_dir}/x86_64/"
         f"{repo['keyring_package']}_{repo['keyring_version']}_all.deb"
+    )
+
+
+def keyring_install_command(data: dict, distribution_dir: str) -> str:
+    """Download the repository's keyring package to a fresh private file and install it; the
+    URL is one quoted argument."""
+    url = shlex.quote(nvidia_keyring_url(data, distribution_dir))
+    return (
+        f'deb=$(mktemp --suffix=.deb) && curl -fsSL -o "$deb" -- {url} && dpkg -i "$deb"; '
+        'status=$?; rm -f "$deb"; exit $status'
     )
 
 

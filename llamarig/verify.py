@@ -40,6 +40,11 @@ def ssh_config(name: str, ssh: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def ssh_alias(name: str) -> str:
+    """The ssh_config alias of an inventory host: one word whatever the host's name holds."""
+    return "llamarig-" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
 def expectations(host_config: HostConfig) -> dict:
     """What the suite checks the host against: the planned data and values derived from it."""
     from llamarig.cli import host_header
@@ -73,8 +78,7 @@ def verify_host(host_config: HostConfig, pytest_args: list[str]) -> int:
             target = ["--hosts=local://"]
         else:
             config = Path(scratch) / "ssh_config"
-            # The inventory's host name may hold any text; the alias is one ssh_config word.
-            alias = "llamarig-" + re.sub(r"[^A-Za-z0-9._-]", "_", host_config.name)
+            alias = ssh_alias(host_config.name)
             config.write_text(ssh_config(alias, ssh))
             target = [f"--hosts=ssh://{alias}", f"--ssh-config={config}"]
         command = [

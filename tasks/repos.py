@@ -1,7 +1,6 @@
 """Package repositories: NVIDIA's CUDA repository (keyring + deb822 source + branch pin) or the
 distribution's non-free components, then one apt update when needed."""
 
-import shlex
 from io import StringIO
 
 from pyinfra import host
@@ -26,12 +25,7 @@ if "nvidia-repo" in sources:
         source_ops.append(
             server.shell(
                 name=f"Install {keyring} {rig['nvidia_repo']['keyring_version']}",
-                # The URL is one quoted argument; the download goes to a fresh private file.
-                commands=[
-                    'deb=$(mktemp --suffix=.deb) && curl -fsSL -o "$deb" -- '
-                    + shlex.quote(render.nvidia_keyring_url(rig, repo_dir))
-                    + ' && dpkg -i "$deb"; status=$?; rm -f "$deb"; exit $status',
-                ],
+                commands=[render.keyring_install_command(rig, repo_dir)],
             )
         )
     # The keyring package also drops a one-line .list; the deb822 file below replaces it.
