@@ -637,7 +637,7 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         for key in extra:
             if isinstance(key, str):
                 hint = _did_you_mean(key, allowed)
-                wrong = f"unknown key `{key}`"
+                wrong = f"unknown key `{key}`{foreign_characters(key)}"
             else:
                 hint = f"keys are names such as {', '.join(allowed[:3])}"
                 wrong = f"the key {_shown(key)} is {_json_type(key)}, not a name"
@@ -651,7 +651,9 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         # The instance is the offending key itself: name it in the path.
         name = error.instance
         text = (
-            f"the name {_shown(name)} has the wrong form; expected a name {_expected(error.schema)}"
+            f"the name {_shown(name)} has the wrong form"
+            f"{foreign_characters(name) if isinstance(name, str) else ''}; expected a name "
+            f"{_expected(error.schema)}"
         )
         return [_located(host_config, (*key_path, name), text)]
     description = error.schema.get("description") if isinstance(error.schema, dict) else None

@@ -209,7 +209,7 @@ def host_path_problem(value: str) -> str | None:
     if "\\" in value:
         return f"{value!r} contains a backslash; paths on the host use `/`"
     if not value.startswith("/"):
-        return f"{value!r} is not absolute; give the path from /, e.g. /opt/llamarig"
+        return f"{value!r} is not an absolute path; give the path from /, e.g. /opt/llamarig"
     normal = "/" + posixpath.normpath(value).lstrip("/")
     if normal != value:
         return f"{value!r} is not normalised (`..`, `.`, `//` or a trailing `/`); write {normal}"

@@ -428,7 +428,7 @@ CASES = [
         "model-path-relative",
         edit("url: https://example.org/m.gguf", "path: models/m.gguf"),
         "hosts.rig1.model.path",
-        ("'models/m.gguf' is not valid", "an absolute path"),
+        ("'models/m.gguf' is not an absolute path", "give the path from /"),
     ),
     Case(
         "commit-is-a-branch",
