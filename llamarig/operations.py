@@ -21,11 +21,11 @@ from pyinfra.api import (
     operation,
 )
 from pyinfra.facts.deb import DebPackages
-from pyinfra.facts.files import File, FileContents, Sha256File
+from pyinfra.facts.files import File, FileContents
 from pyinfra.facts.git import GitLocalCommit
 from pyinfra.operations.util.files import generate_color_diff
 
-from llamarig.facts import BuildDirectories, JsonFile
+from llamarig.facts import BuildDirectories, FileSha256, JsonFile
 from llamarig.render import CURL_AUTH
 
 
@@ -158,7 +158,7 @@ def fetch_checked(url: str, dest: str, sha256: str):
             sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
         )
     """
-    if host.get_fact(Sha256File, path=dest) == sha256:
+    if host.get_fact(FileSha256, path=dest) == sha256:
         host.noop(f"{dest} matches its sha256")
         return
     yield fetch_command(url, dest, sha256)
@@ -211,7 +211,7 @@ def check_file(path: str, sha256: str | None = None):
             return
         yield fail_command(f"model file {path} does not exist on the host")
         return
-    actual = host.get_fact(Sha256File, path=path)
+    actual = host.get_fact(FileSha256, path=path)
     if actual == sha256:
         host.noop(f"{path} matches its sha256")
         return
@@ -635,7 +635,7 @@ def atomic_file(src: IO[str], dest: str, mode: str = "644"):
     src.seek(0)
     content = src.read().encode()
     remote = host.get_fact(File, path=dest)
-    same_content = bool(remote) and host.get_fact(Sha256File, path=dest) == (
+    same_content = bool(remote) and host.get_fact(FileSha256, path=dest) == (
         hashlib.sha256(content).hexdigest()
     )
     if same_content:
@@ -677,7 +677,7 @@ def secret_file(src: str, dest: str):
     """
     with open(src, "rb") as handle:
         wanted = hashlib.sha256(handle.read()).hexdigest()
-    if host.get_fact(Sha256File, path=dest) == wanted:
+    if host.get_fact(FileSha256, path=dest) == wanted:
         host.noop(f"{dest} is up to date")
         return
     quoted, temporary = shlex.quote(dest), shlex.quote(dest + ATOMIC_SUFFIX)
