@@ -75,21 +75,36 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if all(p.fits for p in plans.values()) else 1
 
 
-def ssh_command(data: dict) -> list[str]:
-    """An ssh command line for a host, with the same host-key checking as the deploy: strict,
-    or accept-new where the user opted in (`ssh.host_key_checking`)."""
-    from llamarig.config import strict_host_key_checking
+def ssh_command(data: dict, *options: str) -> list[str]:
+    """An ssh command line for a host (``options`` added), with the same host-key checking as
+    the deploy: strict, or accept-new where the user opted in (`ssh.host_key_checking`).
+
+    `--` ends the options: the destination is never read as one (`-oProxyCommand=...` would run
+    a command here), though the loader refuses such a host already."""
+    from llamarig.config import expand_path, strict_host_key_checking
 
     ssh = data["ssh"]
     checking = f"StrictHostKeyChecking={strict_host_key_checking(ssh)}"
     command = ["ssh", "-o", checking, "-o", "BatchMode=yes"]
     if "known_hosts" in ssh:
-        command += ["-o", f"UserKnownHostsFile={os.path.expanduser(ssh['known_hosts'])}"]
+        known_hosts = ssh_config_value(expand_path(ssh["known_hosts"]))
+        command += ["-o", f"UserKnownHostsFile={known_hosts}"]
     if "key" in ssh:
-        command += ["-i", os.path.expanduser(ssh["key"])]
-    command += ["-p", str(ssh.get("port", 22))]
+        # As an option, not -i: ssh checks an -i path before it expands %-tokens in it, so no
+        # spelling of a path with `%` would work there.
+        command += ["-o", f"IdentityFile={ssh_config_value(expand_path(ssh['key']))}"]
+    command += ["-p", str(ssh.get("port", 22)), *options]
     user = f"{ssh['user']}@" if "user" in ssh else ""
-    return [*command, f"{user}{ssh['host']}"]
+    return [*command, "--", f"{user}{ssh['host']}"]
+
+
+def ssh_config_value(value: str) -> str:
+    """``value`` as one argument of an ssh_config line (or ``ssh -o``): %-tokens escaped, and
+    quoted (ssh splits arguments at spaces, honouring double quotes and backslashes)."""
+    value = value.replace("%", "%%")
+    if value and not any(ch in value for ch in " \t\"'\\#"):
+        return value
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _complete(args: argparse.Namespace) -> int:
@@ -100,9 +115,10 @@ def _complete(args: argparse.Namespace) -> int:
             continue
         data = host_config.data
         body = json.dumps({"prompt": args.prompt, "n_predict": args.tokens, "temperature": 0})
+        completion = shlex.quote(f"{render.base_url(data)}/completion")
         curl = (
             f"curl -sS -f {render.CURL_AUTH} -H 'Content-Type: application/json' "
-            f"-d {shlex.quote(body)} {render.base_url(data)}/completion"
+            f"-d {shlex.quote(body)} -- {completion}"
         )
         command = ["sh", "-c", curl] if data["ssh"].get("local") else [*ssh_command(data), curl]
         result = subprocess.run(command, capture_output=True, text=True)
@@ -159,8 +175,7 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         os.execv(launcher[0], launcher)
     # -t: a terminal, so Ctrl-C stops the remote server too.
-    ssh = ssh_command(data)
-    os.execvp("ssh", [*ssh[:-1], "-t", ssh[-1], shlex.join(launcher)])
+    os.execvp("ssh", [*ssh_command(data, "-t"), shlex.join(launcher)])
     return 1
 
 

@@ -16,7 +16,6 @@ import math
 import os
 import re
 import reprlib
-import unicodedata
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path, PurePosixPath
@@ -26,6 +25,7 @@ import yaml
 from jsonschema import Draft202012Validator, validators
 
 from llamarig import PACKAGE_DIR, PROJECT_DIR, hardware, llama_args
+from llamarig.shapes import foreign_characters, shape_problems, url_file_name
 
 SCHEMA_PATH = PACKAGE_DIR / "schema.json"
 DEFAULTS_PATH = PROJECT_DIR / "group_data" / "all.yml"
@@ -822,7 +822,7 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         for key in extra:
             if isinstance(key, str):
                 hint = _did_you_mean(key, allowed)
-                wrong = f"unknown key `{key}`"
+                wrong = f"unknown key `{key}`{foreign_characters(key)}"
             else:
                 hint = f"keys are names such as {', '.join(allowed[:3])}"
                 wrong = f"the key {_shown(key)} is {_json_type(key)}, not a name"
@@ -836,13 +836,17 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         # The instance is the offending key itself: name it in the path.
         name = error.instance
         text = (
-            f"the name {_shown(name)} has the wrong form; expected a name {_expected(error.schema)}"
+            f"the name {_shown(name)} has the wrong form"
+            f"{foreign_characters(name) if isinstance(name, str) else ''}; expected a name "
+            f"{_expected(error.schema)}"
         )
         return [_located(host_config, (*key_path, name), text)]
     description = error.schema.get("description") if isinstance(error.schema, dict) else None
     expected = description or _expected(error.schema)
     if error.validator == "enum":
         wrong = f"{_shown(error.instance)} is not allowed"
+        if isinstance(error.instance, str):
+            wrong += foreign_characters(error.instance)
         expected = description or "one of " + ", ".join(map(str, error.validator_value))
     elif error.validator == "type":
         if isinstance(error.instance, float) and not math.isfinite(error.instance):
@@ -1114,9 +1118,9 @@ def semantic_problems(data: dict) -> list[tuple]:
             )
         problems += _version_problems(data)
     problems += _gpu_list_problems(gpus)
-    problems += _control_character_problems(data)
     problems += _json_problems(server["chat_template_kwargs"], ("server", "chat_template_kwargs"))
     problems += _rpc_role_problems(data)
+    problems += shape_problems(data)
     # The escape hatches, and settings that contradict each other, llama.cpp or the hardware.
     problems += llama_args.extra_args_problems(server["extra_args"])
     problems += llama_args.env_problems(server["env"])
@@ -1217,34 +1221,6 @@ def _json_problems(value: Any, key_path: tuple) -> list[tuple]:
             "as JSON); write it as a string, number, boolean, list or mapping",
         )
     ]
-
-
-def _control_character_problems(data: Any, key_path: tuple = ()) -> list[tuple]:
-    """Settings are one line of plain text: a newline or NUL in an address, a path or an
-    argument would end up in an ssh_config, a unit or an environment file as a line of its
-    own. Only `server.chat_template_kwargs`, passed as JSON, may hold any text."""
-    if key_path == ("server", "chat_template_kwargs"):
-        return []
-    if isinstance(data, str):
-        bad = [ch for ch in data if unicodedata.category(ch) == "Cc"]
-        if bad:
-            return [
-                (
-                    key_path,
-                    f"{_shown(data)} contains the control character {ascii(bad[0])}; a setting "
-                    "is one line of plain text: remove it",
-                )
-            ]
-        return []
-    if not isinstance(data, dict | list):
-        return []
-    items = data.items() if isinstance(data, dict) else enumerate(data)
-    problems = []
-    for key, value in items:
-        if isinstance(key, str) and any(unicodedata.category(ch) == "Cc" for ch in key):
-            problems.append(((*key_path, key), "the key's name contains a control character"))
-        problems += _control_character_problems(value, (*key_path, key))
-    return problems
 
 
 def _kv_problems(server: dict, split_mode: str, backend: str) -> list[tuple]:
@@ -1622,8 +1598,9 @@ def model_filename(data: dict) -> str:
     model = data["model"]
     if model["filename"]:
         return model["filename"]
-    source = model["url"] or model["path"] or ""
-    return source.split("?", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    if model["url"]:
+        return url_file_name(model["url"])
+    return (model["path"] or "").rstrip("/").rsplit("/", 1)[-1]
 
 
 def expand_path(path: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shlex
 
 from pyinfra.api import FactBase
@@ -132,6 +133,23 @@ class JsonFile(FactBase):
             return None
 
 
+class FileSha256(FactBase):
+    """The sha256 of a regular file, or None when there is none.
+
+    pyinfra's Sha256File matches ``sha256sum PATH``'s line against the path, and GNU sha256sum
+    escapes a name holding a backslash there (``\\HASH  a\\\\b``): such a file never matched,
+    so a model named that way was downloaded again on every run. From stdin there is no name.
+    """
+
+    def command(self, path: str) -> str:
+        quoted = shlex.quote(path)
+        return f"if [ -f {quoted} ]; then sha256sum < {quoted}; fi"
+
+    def process(self, output):
+        digest = "".join(output).split(" ", 1)[0].strip()
+        return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
+
+
 class ServerProbe(FactBase):
     """Health and one short completion of a running llama-server, from the host itself.
 
@@ -141,11 +159,15 @@ class ServerProbe(FactBase):
     """
 
     def command(self, base_url: str) -> str:
-        body = '{"prompt": "Hello", "n_predict": 4, "temperature": 0}'
+        body = shlex.quote('{"prompt": "Hello", "n_predict": 4, "temperature": 0}')
+        health, completion = (
+            shlex.quote(f"{base_url}/health"),
+            shlex.quote(f"{base_url}/completion"),
+        )
         return (
-            f"curl -s -o /dev/null -w '%{{http_code}}\\n' {base_url}/health || echo 000; "
-            f"curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d '{body}' "
-            f"{base_url}/completion || true"
+            f"curl -s -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
+            f"curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
+            f"-- {completion} || true"
         )
 
     def process(self, output):

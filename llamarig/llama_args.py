@@ -219,8 +219,15 @@ RIG_ENV = {
         "would renumber the GPUs under llamarig's --device list: choose the GPUs with `gpus` "
         "(a 0 share in `server.tensor_split` leaves a card out)"
     ),
+    "XDG_CONFIG_HOME": (
+        "would point llama-server at a config.ini of its own (common/arg.cpp reads "
+        "${XDG_CONFIG_HOME}/llama.cpp/config.ini before the environment and the command line), "
+        "which can set options llamarig leaves unset (--rpc, -dev, -ts, -t): set them as rig keys"
+    ),
 }
 SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_SECRET", "_PASSWORD")
+# Upper case: env names are case-sensitive, but `hf_token` is as much a secret as `HF_TOKEN`.
+SECRETS = ("PASSWORD", "TOKEN", "SECRET", "API_KEY")
 
 # An argument that is an option name (values such as -1 or 0.5 are not).
 _OPTION = re.compile(r"^--?[A-Za-z]")
@@ -281,7 +288,7 @@ def env_problems(env: dict) -> list[tuple]:
             )
         elif name in RIG_ENV:
             problems.append((key_path, f"{RIG_ENV[name]}; remove it from `server.env`"))
-        elif name.endswith(SECRET_SUFFIXES):
+        elif name.upper().endswith(SECRET_SUFFIXES) or name.upper() in SECRETS:
             problems.append(
                 (
                     key_path,

@@ -21,11 +21,11 @@ from pyinfra.api import (
     operation,
 )
 from pyinfra.facts.deb import DebPackages
-from pyinfra.facts.files import File, FileContents, Sha256File
+from pyinfra.facts.files import File, FileContents
 from pyinfra.facts.git import GitLocalCommit
 from pyinfra.operations.util.files import generate_color_diff
 
-from llamarig.facts import BuildDirectories, JsonFile
+from llamarig.facts import BuildDirectories, FileSha256, JsonFile
 from llamarig.render import CURL_AUTH
 
 
@@ -56,14 +56,22 @@ def git_commit(repo: str, path: str, commit: str):
     if head == commit:
         host.noop(f"{path} is at {commit[:12]}")
         return
+    yield from git_checkout_commands(repo, path, commit)
+
+
+def git_checkout_commands(repo: str, path: str, commit: str) -> list[str]:
+    """The commands of ``git_commit`` that check ``commit`` of ``repo`` out into ``path``."""
     q_path, q_repo, q_commit = shlex.quote(path), shlex.quote(repo), shlex.quote(commit)
     git = f"git -C {q_path}"
-    yield f"mkdir -p {q_path} && {git} init -q"
-    yield f"{git} remote remove origin 2>/dev/null; {git} remote add origin {q_repo}"
-    # Fetching one commit by id is cheapest; servers that refuse it get a full fetch.
-    yield f"{git} fetch -q --depth 1 origin {q_commit} || {git} fetch -q --tags origin"
-    yield f"{git} -c advice.detachedHead=false checkout -q --force {q_commit}"
-    yield f"{git} clean -q -ffdx"
+    return [
+        f"mkdir -p {q_path} && {git} init -q",
+        # `--`: a URL that starts with `-` is never read as an option.
+        f"{git} remote remove origin 2>/dev/null; {git} remote add -- origin {q_repo}",
+        # Fetching one commit by id is cheapest; servers that refuse it get a full fetch.
+        f"{git} fetch -q --depth 1 origin {q_commit} || {git} fetch -q --tags origin",
+        f"{git} -c advice.detachedHead=false checkout -q --force {q_commit}",
+        f"{git} clean -q -ffdx",
+    ]
 
 
 @operation()
@@ -150,24 +158,32 @@ def fetch_checked(url: str, dest: str, sha256: str):
             sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
         )
     """
-    if host.get_fact(Sha256File, path=dest) == sha256:
+    if host.get_fact(FileSha256, path=dest) == sha256:
         host.noop(f"{dest} matches its sha256")
         return
+    yield fetch_command(url, dest, sha256)
+
+
+def fetch_command(url: str, dest: str, sha256: str) -> str:
+    """The shell command of ``fetch_checked``: a resumable, checksummed download to ``dest``."""
     part = shlex.quote(dest + ".part")
     q_dest, q_url, q_lock = shlex.quote(dest), shlex.quote(url), shlex.quote(dest + ".lock")
-    yield f"""
+    q_sha256 = shlex.quote(sha256)
+    # Every value is one quoted word, in messages too (printf arguments, never inside "...").
+    return f"""
 # One download at a time: a run killed mid-download can leave its curl running.
 exec 9>{q_lock}; flock 9
-if [ -f {part} ] && [ "$(sha256sum {part} | cut -d' ' -f1)" = {sha256} ]; then
-  echo "{dest}.part is complete"
+if [ -f {part} ] && [ "$(sha256sum < {part} | cut -d' ' -f1)" = {q_sha256} ]; then
+  printf '%s.part is complete\\n' {q_dest}
 else
   # curl exits 33 when the server cannot resume; then start the part over.
-  curl -fsSL --retry 3 -C - -o {part} {q_url} || {{
-    rc=$?; [ $rc -eq 33 ] || exit $rc; rm -f {part}; curl -fsSL --retry 3 -o {part} {q_url}; }}
-  actual=$(sha256sum {part} | cut -d' ' -f1)
-  if [ "$actual" != {sha256} ]; then
+  curl -fsSL --retry 3 -C - -o {part} -- {q_url} || {{
+    rc=$?; [ $rc -eq 33 ] || exit $rc; rm -f {part}; curl -fsSL --retry 3 -o {part} -- {q_url}; }}
+  actual=$(sha256sum < {part} | cut -d' ' -f1)
+  if [ "$actual" != {q_sha256} ]; then
     rm -f {part}
-    echo "sha256 mismatch for {url}: got $actual, expected {sha256}; the download was discarded" >&2
+    printf 'sha256 mismatch for %s: got %s, expected %s; the download was discarded\\n' \\
+      {q_url} "$actual" {q_sha256} >&2
     exit 1
   fi
 fi
@@ -195,7 +211,7 @@ def check_file(path: str, sha256: str | None = None):
             return
         yield fail_command(f"model file {path} does not exist on the host")
         return
-    actual = host.get_fact(Sha256File, path=path)
+    actual = host.get_fact(FileSha256, path=path)
     if actual == sha256:
         host.noop(f"{path} matches its sha256")
         return
@@ -220,23 +236,28 @@ def fail(message: str):
 def _serving_check(base_url: str, service: str, timeout: int) -> str:
     """Shell function ``serving``: waits until the unit answers /health with 200 and serves a
     4-token completion; returns 1 (with why in $why) when it crashes, or on timeout."""
-    quoted = shlex.quote(service)
+    q_service = shlex.quote(service)
+    health, completion = shlex.quote(f"{base_url}/health"), shlex.quote(f"{base_url}/completion")
+    crashed = shlex.quote(f"{service} exited while starting")
+    not_ready = shlex.quote(f"{base_url}/health not ready after {int(timeout)} s")
+    failed = shlex.quote(f"{base_url}/completion failed")
     return f"""
 serving() {{
   deadline=$(( $(date +%s) + {int(timeout)} ))
-  until [ "$(curl -s -o /dev/null -w '%{{http_code}}' {base_url}/health)" = 200 ]; do
+  until [ "$(curl -s -o /dev/null -w '%{{http_code}}' -- {health})" = 200 ]; do
     # A crash shows as `failed`, or as `auto-restart` while Restart= tries again.
-    case "$(systemctl show -P ActiveState {quoted})/$(systemctl show -P SubState {quoted})" in
-      failed/*|*/auto-restart) why="{service} exited while starting"; return 1 ;;
+    state="$(systemctl show -P ActiveState -- {q_service})"
+    case "$state/$(systemctl show -P SubState -- {q_service})" in
+      failed/*|*/auto-restart) why={crashed}; return 1 ;;
     esac
     if [ $(date +%s) -ge $deadline ]; then
-      why="{base_url}/health not ready after {int(timeout)} s"; return 1
+      why={not_ready}; return 1
     fi
     sleep 1
   done
   body='{{"prompt": "Hello", "n_predict": 4, "temperature": 0}}'
-  answer=$(curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d "$body" \
-    {base_url}/completion) || {{ why="{base_url}/completion failed"; return 1; }}
+  answer=$(curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d "$body" \\
+    -- {completion}) || {{ why={failed}; return 1; }}
   case "$answer" in *'"content"'*) ;; *) why="unexpected completion: $answer"; return 1 ;; esac
 }}
 """
@@ -280,37 +301,39 @@ def serve_or_roll_back(
             last_good="/var/lib/llamarig/last-good",
         )
     """
-    q_service, q_unit, q_env, q_current, q_good = (
-        shlex.quote(value) for value in (service, unit, env_file, current, last_good)
+    q_service, q_unit, q_env, q_current, q_good, q_url = (
+        shlex.quote(value) for value in (service, unit, env_file, current, last_good, base_url)
     )
+    # Values reach messages as printf arguments, never inside double quotes.
     yield (
         _serving_check(base_url, service, timeout)
         + f"""
 if serving; then
   mkdir -p {q_good}
-  cp {q_unit} {q_good}/unit.new && cp {q_env} {q_good}/env.new \
-    && readlink {q_current} > {q_good}/current.new \
+  cp {q_unit} {q_good}/unit.new && cp {q_env} {q_good}/env.new \\
+    && readlink {q_current} > {q_good}/current.new \\
     && for f in unit env current; do mv {q_good}/$f.new {q_good}/$f; done
-  echo "llamarig: {service} serves at {base_url}"
+  printf 'llamarig: %s serves at %s\\n' {q_service} {q_url}
   exit 0
 fi
-echo "llamarig: the new version of {service} does not serve: $why. Its last journal lines:" >&2
+printf 'llamarig: the new version of %s does not serve: %s. Its last journal lines:\\n' \\
+  {q_service} "$why" >&2
 journalctl -u {q_service} -n 30 --no-pager -o cat >&2
 if [ ! -f {q_good}/current ]; then
   echo "llamarig: no earlier version served on this host: nothing to roll back to" >&2
   exit 1
 fi
 started=$(date +%s)
-cp {q_good}/unit {q_unit} && cp {q_good}/env {q_env} \
+cp {q_good}/unit {q_unit} && cp {q_good}/env {q_env} \\
   && ln -sfn "$(cat {q_good}/current)" {q_current}.new && mv -T {q_current}.new {q_current}
 systemctl daemon-reload
-systemctl reset-failed {q_service} 2>/dev/null || true
-systemctl restart {q_service}
+systemctl reset-failed -- {q_service} 2>/dev/null || true
+systemctl restart -- {q_service}
 if serving; then
-  echo "llamarig: rolled back: the last version that served ($(cat {q_good}/current)) serves" \
+  echo "llamarig: rolled back: the last version that served ($(cat {q_good}/current)) serves" \\
     "again after $(( $(date +%s) - started )) s; fix the rig data and deploy again" >&2
 else
-  echo "llamarig: the rollback does not serve either: $why" >&2
+  printf 'llamarig: the rollback does not serve either: %s\\n' "$why" >&2
 fi
 exit 1
 """.rstrip()
@@ -358,7 +381,12 @@ def tcp_probe(endpoint: str) -> str:
     """A shell test that succeeds when ``endpoint`` (host:port, [v6]:port) accepts TCP."""
     address, _, port = endpoint.rpartition(":")
     address = address.strip("[]")
-    return f"timeout 3 bash -c {shlex.quote(f'exec 3<>/dev/tcp/{address}/{port}')} 2>/dev/null"
+    # Address and port reach bash as its arguments, never as part of its script.
+    script = shlex.quote('exec 3<>"/dev/tcp/$1/$2"')
+    return (
+        f"timeout 3 bash -c {script} tcp-probe {shlex.quote(address)} {shlex.quote(port)} "
+        "2>/dev/null"
+    )
 
 
 @operation(is_idempotent=False)
@@ -377,18 +405,19 @@ def wait_for_port(endpoint: str, service: str, timeout: int):
 
         wait_for_port(endpoint="10.0.0.12:50052", service="ggml-rpc-server", timeout=60)
     """
-    quoted = shlex.quote(service)
+    quoted, q_endpoint = shlex.quote(service), shlex.quote(endpoint)
     yield f"""
 deadline=$(( $(date +%s) + {int(timeout)} ))
 until {tcp_probe(endpoint)}; do
-  if [ $(date +%s) -ge $deadline ] || [ "$(systemctl show -P SubState {quoted})" = auto-restart ]
+  if [ $(date +%s) -ge $deadline ] || [ "$(systemctl show -P SubState -- {quoted})" = auto-restart ]
   then
-    echo "llamarig: {service} does not accept connections on {endpoint}; its journal:" >&2
+    printf 'llamarig: %s does not accept connections on %s; its journal:\\n' \\
+      {quoted} {q_endpoint} >&2
     journalctl -u {quoted} -n 20 --no-pager -o cat >&2; exit 1
   fi
   sleep 1
 done
-echo "llamarig: {service} listens on {endpoint}"
+printf 'llamarig: %s listens on %s\\n' {quoted} {q_endpoint}
 """.strip()
 
 
@@ -407,13 +436,13 @@ def check_rpc_workers(endpoints: list[str]):
         check_rpc_workers(endpoints=["10.0.0.12:50052", "10.0.0.13:50052"])
     """
     checks = "\n".join(
-        f'{tcp_probe(endpoint)} || down="$down {endpoint}"' for endpoint in endpoints
+        f'{tcp_probe(endpoint)} || down="$down "{shlex.quote(endpoint)}' for endpoint in endpoints
     )
     yield f"""
 down=""
 {checks}
 if [ -n "$down" ]; then
-  echo "llamarig: RPC worker(s) not reachable from this head:$down - converge the workers" \
+  echo "llamarig: RPC worker(s) not reachable from this head:$down - converge the workers" \\
     "(their ggml-rpc-server unit) and check the network; the running server was left as it is" >&2
   exit 1
 fi
@@ -449,15 +478,16 @@ def check_server_flags(binary: str, args: list[str]):
     flags = " ".join(shlex.quote(flag) for flag in server_flags(args))
     q_binary = shlex.quote(binary)
     yield f"""
-help=$({q_binary} --help 2>&1) || {{ echo "llamarig: {binary} --help failed:" >&2; \
+help=$({q_binary} --help 2>&1) || {{ printf 'llamarig: %s --help failed:\\n' {q_binary} >&2; \\
 printf '%s\\n' "$help" | tail -5 >&2; exit 1; }}
 unknown=""
 for flag in {flags}; do
   printf '%s\\n' "$help" | grep -qE -- "(^|[ ,])$flag([ ,=]|$)" || unknown="$unknown $flag"
 done
 if [ -n "$unknown" ]; then
-  echo "llamarig: {binary} does not know:$unknown - fix server.extra_args (or the setting" \
-    "that adds it); the unit and the running server were left unchanged" >&2
+  printf 'llamarig: %s does not know:%s - fix server.extra_args (or the setting that adds' \\
+    {q_binary} "$unknown" >&2
+  echo " it); the unit and the running server were left unchanged" >&2
   exit 1
 fi
 """.strip()
@@ -473,7 +503,7 @@ def restart_service(service: str):
     + service: unit name, e.g. ``llama-server.service``
     """
     quoted = shlex.quote(service)
-    yield f"systemctl reset-failed {quoted} 2>/dev/null || true; systemctl restart {quoted}"
+    yield f"systemctl reset-failed -- {quoted} 2>/dev/null || true; systemctl restart -- {quoted}"
 
 
 @operation()
@@ -501,6 +531,7 @@ def driver_packages(packages: list[str], dkms_package: str | None = None):
         return
     names = " ".join(shlex.quote(package) for package in packages)
     dkms = shlex.quote(dkms_package or "")
+    dkms_name = shlex.quote(dkms_package or "the driver")
     yield f"""
 export DEBIAN_FRONTEND=noninteractive
 log=/var/log/llamarig-driver-install.log
@@ -512,7 +543,8 @@ if ! apt-get install -y --no-install-recommends {names} > $log 2>&1; then
   # Remove what could not be configured, so apt and dpkg stay usable.
   apt-get purge -y {names} >> $log 2>&1 || true
   dpkg --configure -a >> $log 2>&1; apt-get -f install -y >> $log 2>&1
-  echo "llamarig: the NVIDIA driver did not install: {dkms_package or "the driver"} $version" \
+  printf 'llamarig: the NVIDIA driver did not install: %s ' {dkms_name} >&2
+  echo "$version" \
     "failed to build its kernel module for kernel(s) $kernels: $error." \
     "The driver packages were removed again (apt and dpkg are consistent; full log: $log)." \
     "Use driver.source nvidia-repo, or a kernel this packaged driver supports." >&2
@@ -603,7 +635,7 @@ def atomic_file(src: IO[str], dest: str, mode: str = "644"):
     src.seek(0)
     content = src.read().encode()
     remote = host.get_fact(File, path=dest)
-    same_content = bool(remote) and host.get_fact(Sha256File, path=dest) == (
+    same_content = bool(remote) and host.get_fact(FileSha256, path=dest) == (
         hashlib.sha256(content).hexdigest()
     )
     if same_content:
@@ -645,7 +677,7 @@ def secret_file(src: str, dest: str):
     """
     with open(src, "rb") as handle:
         wanted = hashlib.sha256(handle.read()).hexdigest()
-    if host.get_fact(Sha256File, path=dest) == wanted:
+    if host.get_fact(FileSha256, path=dest) == wanted:
         host.noop(f"{dest} is up to date")
         return
     quoted, temporary = shlex.quote(dest), shlex.quote(dest + ATOMIC_SUFFIX)

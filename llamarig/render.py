@@ -262,12 +262,43 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else str(value)
 
 
+def _systemd_c_quoted(text: str) -> str:
+    """``text`` in double quotes for a unit line that systemd unquotes with C escapes: a
+    backslash, a double quote and any control character (which would end the line) escaped."""
+    escaped = "".join(
+        "\\" + ch if ch in '\\"' else f"\\x{ord(ch):02x}" if ord(ch) < 32 or ord(ch) == 127 else ch
+        for ch in text
+    )
+    return f'"{escaped}"'
+
+
 def systemd_quote(arg: str) -> str:
-    """Quote one argument for an ExecStart= line (systemd's own rules, not the shell's)."""
+    """Quote one argument for an ExecStart= line (systemd's own rules, not the shell's): %% and
+    $$ are a literal % and $."""
     escaped = arg.replace("%", "%%").replace("$", "$$")
     if escaped and all(ch.isalnum() or ch in "-_./:,=+@" for ch in escaped):
         return escaped
-    return '"' + escaped.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return _systemd_c_quoted(escaped)
+
+
+def systemd_specifiers(text: str) -> str:
+    """``text`` with systemd's specifier character escaped (a value in a unit line where
+    systemd expands %-specifiers: a path, an environment assignment)."""
+    return text.replace("%", "%%")
+
+
+def systemd_environment(key: str, value: str) -> str:
+    """One quoted ``Environment=`` word: systemd unquotes it with C escapes, then expands
+    %-specifiers (an unknown one drops the whole assignment); `$` is not expanded there."""
+    return _systemd_c_quoted(systemd_specifiers(f"{key}={value}"))
+
+
+def env_file_assignment(key: str, value: str) -> str:
+    """One line of an ``EnvironmentFile=``: in double quotes systemd unescapes exactly
+    backslash, double quote, backtick and `$` (as sh does, so the file also reads in sh) and
+    expands nothing."""
+    escaped = "".join("\\" + ch if ch in '\\"`$' else ch for ch in value)
+    return f'{key}="{escaped}"'
 
 
 def service_environment(data: dict, service: str | None = None) -> dict[str, str]:
@@ -286,13 +317,18 @@ def service_environment(data: dict, service: str | None = None) -> dict[str, str
 
 
 def _templates() -> Environment:
-    return Environment(
+    templates = Environment(
         loader=FileSystemLoader(str(TEMPLATES_DIR)),
         undefined=StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
         lstrip_blocks=True,
     )
+    templates.globals.update(
+        systemd_environment=systemd_environment, env_file_assignment=env_file_assignment
+    )
+    templates.filters["systemd_specifiers"] = systemd_specifiers
+    return templates
 
 
 def unit_context(data: dict) -> dict:
@@ -428,6 +464,16 @@ def nvidia_keyring_url(data: dict, distribution_dir: str) -> str:
     return (
         f"{repo['url']}/{distribution_dir}/x86_64/"
         f"{repo['keyring_package']}_{repo['keyring_version']}_all.deb"
+    )
+
+
+def keyring_install_command(data: dict, distribution_dir: str) -> str:
+    """Download the repository's keyring package to a fresh private file and install it; the
+    URL is one quoted argument."""
+    url = shlex.quote(nvidia_keyring_url(data, distribution_dir))
+    return (
+        f'deb=$(mktemp --suffix=.deb) && curl -fsSL -o "$deb" -- {url} && dpkg -i "$deb"; '
+        'status=$?; rm -f "$deb"; exit $status'
     )
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from llamarig import PROJECT_DIR, render
-from llamarig.config import HostConfig, strict_host_key_checking
+from llamarig.cli import ssh_config_value
+from llamarig.config import HostConfig, expand_path, strict_host_key_checking
 from llamarig.plan import plan_host
 
 SUITE = PROJECT_DIR / "tests" / "rig"
@@ -31,10 +33,16 @@ def ssh_config(name: str, ssh: dict) -> str:
     if "user" in ssh:
         lines.append(f"  User {ssh['user']}")
     if "key" in ssh:
-        lines += [f"  IdentityFile {os.path.expanduser(ssh['key'])}", "  IdentitiesOnly yes"]
+        key = ssh_config_value(expand_path(ssh["key"]))
+        lines += [f"  IdentityFile {key}", "  IdentitiesOnly yes"]
     if "known_hosts" in ssh:
-        lines.append(f"  UserKnownHostsFile {os.path.expanduser(ssh['known_hosts'])}")
+        lines.append(f"  UserKnownHostsFile {ssh_config_value(expand_path(ssh['known_hosts']))}")
     return "\n".join(lines) + "\n"
+
+
+def ssh_alias(name: str) -> str:
+    """The ssh_config alias of an inventory host: one word whatever the host's name holds."""
+    return "llamarig-" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
 def expectations(host_config: HostConfig) -> dict:
@@ -70,7 +78,7 @@ def verify_host(host_config: HostConfig, pytest_args: list[str]) -> int:
             target = ["--hosts=local://"]
         else:
             config = Path(scratch) / "ssh_config"
-            alias = f"llamarig-{host_config.name}"
+            alias = ssh_alias(host_config.name)
             config.write_text(ssh_config(alias, ssh))
             target = [f"--hosts=ssh://{alias}", f"--ssh-config={config}"]
         command = [

@@ -2,11 +2,10 @@
 directory, and the `current` link the service runs through."""
 
 from pyinfra import host
-from pyinfra.facts.files import Sha256File
 from pyinfra.operations import apt, files
 
 from llamarig import operations, render, stage
-from llamarig.facts import MissingCommands
+from llamarig.facts import FileSha256, MissingCommands
 
 # The plan's data: CUDA architectures from the probed GPUs when none are declared.
 rig = stage.plan().resolved
@@ -65,7 +64,7 @@ command_file, command_text = (
     if rig["server"]["supervisor"] == "systemd"
     else (paths["launcher"], render.render_launcher(rig))
 )
-command_differs = host.get_fact(Sha256File, path=command_file) != render.sha256_text(command_text)
+command_differs = host.get_fact(FileSha256, path=command_file) != render.sha256_text(command_text)
 if rig["role"] != "rpc-worker" and (build.will_change or command_differs):
     operations.check_server_flags(
         name="llama-server knows every option of the command line",

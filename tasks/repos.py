@@ -25,11 +25,7 @@ if "nvidia-repo" in sources:
         source_ops.append(
             server.shell(
                 name=f"Install {keyring} {rig['nvidia_repo']['keyring_version']}",
-                commands=[
-                    "curl -fsSL -o /tmp/llamarig-keyring.deb "
-                    + render.nvidia_keyring_url(rig, repo_dir),
-                    "dpkg -i /tmp/llamarig-keyring.deb && rm -f /tmp/llamarig-keyring.deb",
-                ],
+                commands=[render.keyring_install_command(rig, repo_dir)],
             )
         )
     # The keyring package also drops a one-line .list; the deb822 file below replaces it.

@@ -4,6 +4,7 @@ until it serves, rolling back to the last version that served otherwise. An RPC 
 ggml-rpc-server unit instead; a head checks its workers before any (re)start."""
 
 import os
+import shlex
 from io import StringIO
 
 from pyinfra import host
@@ -130,7 +131,7 @@ else:
             # would refuse the start below.
             server_ops.shell(
                 name=f"Clear a failed state of {service} before starting it",
-                commands=[f"systemctl reset-failed {service} 2>/dev/null || true"],
+                commands=[f"systemctl reset-failed -- {shlex.quote(service)} 2>/dev/null || true"],
             )
         started, restarted = stage.service_running(
             service, out_of_date, "unit, environment, build or model changed, or out of date"

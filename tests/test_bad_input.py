@@ -149,10 +149,10 @@ CASES = [
         ("nan is not a finite number", "expected a fraction"),
     ),
     Case(
-        "env-name-lower-case",
-        host("server: {env: {cuda_visible_devices: '0'}}"),
-        "hosts.rig1.server.env.cuda_visible_devices",
-        ("has the wrong form", "expected a name matching ^[A-Z_][A-Z0-9_]*$"),
+        "env-name-with-a-hyphen",
+        host("server: {env: {CUDA-VISIBLE-DEVICES: '0'}}"),
+        "hosts.rig1.server.env.CUDA-VISIBLE-DEVICES",
+        ("has the wrong form", "expected a name of letters, digits and _"),
     ),
     Case(
         "target-with-a-space",
@@ -428,7 +428,7 @@ CASES = [
         "model-path-relative",
         edit("url: https://example.org/m.gguf", "path: models/m.gguf"),
         "hosts.rig1.model.path",
-        ("'models/m.gguf' is not valid", "an absolute path"),
+        ("'models/m.gguf' is not an absolute path", "give the path from /"),
     ),
     Case(
         "commit-is-a-branch",

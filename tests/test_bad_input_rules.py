@@ -207,6 +207,18 @@ CASES = [
         ("looks like a secret",),
     ),
     Case(
+        "env-secret-in-lower-case",
+        env("hf_token", "hf_abc"),
+        "hosts.rig1.server.env.hf_token",
+        ("looks like a secret",),
+    ),
+    Case(
+        "env-config-file-of-its-own",
+        env("XDG_CONFIG_HOME", "/tmp/cfg"),
+        "hosts.rig1.server.env.XDG_CONFIG_HOME",
+        ("config.ini", "remove it from `server.env`"),
+    ),
+    Case(
         "env-cuda-visible-devices",
         env("CUDA_VISIBLE_DEVICES", "1"),
         "hosts.rig1.server.env.CUDA_VISIBLE_DEVICES",

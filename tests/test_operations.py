@@ -11,6 +11,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -59,14 +60,21 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def test_fetch_checked_downloads_once(tmp_path, file_server):
+# A hostile but valid name (GNU sha256sum escapes a name with a backslash in its output, which
+# pyinfra's Sha256File never matched: such a model was downloaded on every run).
+HOSTILE_NAME = 'it\'s "a" $(id) `id` 100% %n \\x.gguf'
+
+
+@pytest.mark.parametrize("name", ["m.gguf", HOSTILE_NAME])
+def test_fetch_checked_downloads_once(tmp_path, file_server, name):
     www, url = file_server
     content = bytes(range(256)) * 4096
-    (www / "m.gguf").write_bytes(content)
-    dest = tmp_path / "models" / "m.gguf"
+    (www / name).write_bytes(content)
+    dest = tmp_path / "models" / name
     dest.parent.mkdir()
     body = (
-        f"operations.fetch_checked(url='{url}/m.gguf', dest='{dest}', sha256='{sha256(content)}')"
+        f"operations.fetch_checked(url={url + '/' + quote(name)!r}, dest={str(dest)!r}, "
+        f"sha256='{sha256(content)}')"
     )
     code, results, stderr = run_deploy(tmp_path, body)
     assert code == 0, stderr

@@ -118,7 +118,8 @@ def standin_rig(tmp_path_factory):
     rig.update(
         driver={"source": "nvidia-repo", "branch": 580},
         cuda={"source": "nvidia-repo", "version": "13.0"},
-        nvidia_repo={"url": STANDIN_URL},
+        # A stand-in on loopback over http: the explicit opt-in for a repository without TLS.
+        nvidia_repo={"url": STANDIN_URL, "allow_insecure": True},
     )
     rig["server"]["port"] = 8083
     document["all"]["children"]["sandbox"]["hosts"][NAME] = rig

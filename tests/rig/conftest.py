@@ -111,7 +111,8 @@ def api(host, derived, serving_rig):
         if body is not None:
             payload += f" -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
         result = host.run(
-            f"curl -s -o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} {base}{path}; "
+            f"curl -s -o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} "
+            f"-- {shlex.quote(base + path)}; "
             "echo; cat /tmp/llamarig-verify.out; rm -f /tmp/llamarig-verify.out"
         )
         code, _, text = result.stdout.partition("\n")

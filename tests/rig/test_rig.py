@@ -182,7 +182,7 @@ def test_nvcc_can_build_every_gpu(host, derived, gpus):
     if not nvcc:
         pytest.skip("cpu build: no toolkit")
     assert host.file(nvcc).exists, f"{nvcc} missing: run the deploy's cuda stage"
-    out = host.run(f"{nvcc} --version").stdout
+    out = host.run("%s --version", nvcc).stdout
     version = re.search(r"release ([0-9]+\.[0-9]+)", out).group(1)
     problems = check_versions(
         [gpu["compute_cap"] for gpu in gpus], version, None, True, "nvidia-repo", "nvidia-repo"
@@ -205,11 +205,12 @@ def test_build_is_the_pinned_commit_with_the_configured_options(host, data, deri
 
 def test_binary_has_device_code_for_every_gpu(host, data, derived, gpus):
     library = host.run(
-        f"find -L {data['paths']['prefix']}/current/bin -name 'libggml-cuda.so*' | head -1"
+        "find -L %s -name 'libggml-cuda.so*' | head -1", f"{data['paths']['prefix']}/current/bin"
     )
     path = library.stdout.strip()
     assert path, "libggml-cuda.so not in the build: not a CUDA build"
-    elf = host.run(f"{derived['nvcc'].rsplit('/', 1)[0]}/cuobjdump --list-elf {path}").stdout
+    cuobjdump = f"{derived['nvcc'].rsplit('/', 1)[0]}/cuobjdump"
+    elf = host.run("%s --list-elf %s", cuobjdump, path).stdout
     for gpu in gpus:
         arch = cuda_architecture(gpu["compute_cap"]).removesuffix("-real")
         assert f"sm_{arch}" in elf, f"no sm_{arch} code for {gpu['name']} in {path}"
@@ -389,7 +390,7 @@ def test_head_is_connected_to_its_workers(host, data):
         pytest.skip("no ss on this host to list the server's connections")
     missing = []
     for endpoint in data["rpc"]["endpoints"]:
-        connected = host.run(f"ss -Htnp state established dst {endpoint}").stdout
+        connected = host.run("ss -Htnp state established dst %s", endpoint).stdout
         if '"llama-server"' not in connected:
             missing.append(endpoint)
     assert not missing, (

@@ -1,0 +1,347 @@
+"""Shapes of the rig data's strings that reach a command, a unit or a file: addresses, URLs,
+paths, package names and versions, file names, and the characters any setting may hold.
+
+A value that passes has a shape that cannot carry shell or unit syntax (an address, a URL of a
+known scheme, an absolute normalised path); what reaches a command is quoted there as well.
+Each check returns (key path, message) tuples in the style of config.semantic_problems: what
+is wrong and where the right part goes.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import posixpath
+import re
+import unicodedata
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+# RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
+_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+# Debian policy: package names and (epoch-less) versions.
+_DEBIAN_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
+_DEBIAN_VERSION = re.compile(r"^[0-9][A-Za-z0-9.+~]*(?:-[A-Za-z0-9.+~]+)*$")
+_LOGIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+# RFC 3986: what may appear in a URL as it is; anything else is percent-encoded.
+_URL_CHARACTERS = re.compile(r"^[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]*$")
+_SCP_LIKE = re.compile(r"^(?:(?P<user>[A-Za-z0-9_][A-Za-z0-9_.-]*)@)?(?P<host>[^/:@]+):(?!//)")
+
+LOCAL_FILES = "`ssh.key`, `ssh.known_hosts` and `server.api_key_file`"
+EXAMPLE_ADDRESS = "e.g. 192.0.2.10 or rig1.example.org"
+
+
+def describe_character(character: str) -> str:
+    """A character as the user can find it: its code point and Unicode name."""
+    name = unicodedata.name(character, "")
+    if unicodedata.category(character) == "Cc":
+        return f"the control character {ascii(character)} (U+{ord(character):04X})"
+    return f"U+{ord(character):04X} {name}".strip()
+
+
+def _invisible(character: str) -> bool:
+    """Control and format characters, and every space and line break but the plain space."""
+    category = unicodedata.category(character)
+    return category in ("Cc", "Cf", "Zl", "Zp") or (category == "Zs" and character != " ")
+
+
+def foreign_characters(text: str) -> str:
+    """For a value that must be one of a few ASCII words: the non-ASCII characters in it (a
+    Cyrillic а in `layer` looks like the Latin a), named, or ""."""
+    found = [ch for ch in dict.fromkeys(text) if ord(ch) > 127]
+    if not found:
+        return ""
+    return f" (it contains {', '.join(describe_character(ch) for ch in found)}; type it in ASCII)"
+
+
+def invisible_character_problems(data: Any, key_path: tuple = ()) -> list[tuple]:
+    """Settings are one line of visible text: a newline or NUL would end up in a unit or an
+    environment file as a line of its own, and a zero-width or non-breaking space makes two
+    values that look alike differ. Only `server.chat_template_kwargs`, passed as JSON, may hold
+    any text."""
+    if key_path == ("server", "chat_template_kwargs"):
+        return []
+    if isinstance(data, str):
+        bad = next((ch for ch in data if _invisible(ch)), None)
+        if bad is None:
+            return []
+        return [
+            (
+                key_path,
+                f"{data!r:.80} contains {describe_character(bad)}; a setting is one line of "
+                "plain text: remove it (retype the value if you cannot see it)",
+            )
+        ]
+    if not isinstance(data, dict | list):
+        return []
+    items = data.items() if isinstance(data, dict) else enumerate(data)
+    problems = []
+    for key, value in items:
+        if isinstance(key, str):
+            bad = next((ch for ch in key if _invisible(ch)), None)
+            if bad is not None:
+                problems.append(
+                    (
+                        (*key_path, key),
+                        f"the key's name contains {describe_character(bad)}; remove it",
+                    )
+                )
+        problems += invisible_character_problems(value, (*key_path, key))
+    return problems
+
+
+def _host_name_problem(value: str) -> str | None:
+    name = value[:-1] if value.endswith(".") else value
+    labels = name.split(".")
+    if len(name) > 253 or not all(_LABEL.match(label) for label in labels):
+        return (
+            f"{value!r} is not an IP address or a host name (RFC 1123: letters, digits, `-` and "
+            f"`.`); {EXAMPLE_ADDRESS}"
+        )
+    if labels[-1].isdigit():
+        return f"{value!r} is not a valid IPv4 address (four numbers 0-255); {EXAMPLE_ADDRESS}"
+    return None
+
+
+def address_problem(
+    value: str, port_key: str, user_key: str | None = None, wildcard: bool = False
+) -> str | None:
+    """What keeps ``value`` from being an IP address or an RFC 1123 host name, with where the
+    parts that do not belong go, or None. ``wildcard``: 0.0.0.0 and :: are allowed."""
+    if value.startswith("-"):
+        return (
+            f"{value!r} starts with `-`, which ssh and other commands read as an option; give "
+            f"the address, {EXAMPLE_ADDRESS}"
+        )
+    if "://" in value:
+        return f"{value!r} is a URL; give only the address, {EXAMPLE_ADDRESS}"
+    if "@" in value:
+        user, _, address = value.rpartition("@")
+        if user_key:
+            return f"{value!r} holds a user: put `{user}` in `{user_key}` and `{address}` here"
+        return f"{value!r} holds a user part; give only the address, `{address}`"
+    if value.startswith("["):
+        inner, _, rest = value[1:].partition("]")
+        fix = f"write the address without brackets: {inner}"
+        if rest.startswith(":") and rest[1:].isdigit():
+            fix += f", and put the port {rest[1:]} in `{port_key}`"
+        return f"{value!r} is in brackets; {fix}"
+    if value == "*":
+        return "`*` is not an address; write 0.0.0.0 (every IPv4 interface) or :: (every one)"
+    if "%" in value:
+        return f"{value!r} has an IPv6 zone (`%...`), which URLs cannot carry; use another address"
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        address = None
+    if address is not None:
+        if address.is_unspecified and not wildcard:
+            return f"{value} is not an address to connect to; give the host's own address"
+        return None
+    host, colon, port = value.rpartition(":")
+    if colon and port.isdigit() and host.count(":") == 0:
+        return f"{value!r} holds a port: put {port} in `{port_key}` and `{host}` here"
+    if colon and port.isdigit():
+        return (
+            f"{value!r} is not an IP address; an IPv6 address is written alone (the port "
+            f"goes in `{port_key}`)"
+        )
+    return _host_name_problem(value)
+
+
+def url_problem(value: str, schemes: tuple[str, ...], scheme_fix: str) -> str | None:
+    """What keeps ``value`` from being a URL of one of ``schemes`` with a host, or None."""
+    if any(ch.isspace() for ch in value):
+        return f"{value!r} contains a space; percent-encode it (%20)"
+    if not _URL_CHARACTERS.match(value):
+        bad = next(ch for ch in value if not _URL_CHARACTERS.match(ch))
+        return f"{value!r} contains {bad!r}, which a URL cannot hold as it is; percent-encode it"
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+    except ValueError as error:
+        return f"{value!r} is not a valid URL ({error})"
+    if parts.scheme not in schemes:
+        return f"{value!r} is not a {' or '.join(schemes)} URL; {scheme_fix}"
+    if parts.scheme == "file":
+        return None if parts.path.startswith("/") else f"{value!r} has no absolute path"
+    if not parts.hostname:
+        return f"{value!r} has no host; e.g. https://example.org/model.gguf"
+    problem = address_problem(parts.hostname, "the URL (host:port)")
+    if problem:
+        return f"the host of {value!r}: {problem}"
+    return None
+
+
+def git_repo_problem(value: str) -> str | None:
+    """llama_cpp.repo: an https, ssh, git or file URL, an scp-like `git@host:path`, or an
+    absolute path."""
+    if value.startswith("-"):
+        return f"{value!r} starts with `-`, which git reads as an option; give a URL"
+    if value.startswith("/"):
+        return host_path_problem(value)
+    if "::" in value:
+        return (
+            f"{value!r} names a git remote helper (`TRANSPORT::`), which can run commands; "
+            "give an https://, ssh://, git:// or file:// URL"
+        )
+    if any(ch.isspace() for ch in value):
+        return f"{value!r} contains a space; percent-encode it (%20)"
+    scp = _SCP_LIKE.match(value)
+    if scp and "://" not in value:
+        problem = address_problem(scp["host"], "an ssh:// URL (ssh://host:port/path)")
+        return f"the host of {value!r}: {problem}" if problem else None
+    return url_problem(
+        value,
+        ("https", "ssh", "git", "file"),
+        "give an https://, ssh://, git:// or file:// URL, git@host:path, or an absolute path",
+    )
+
+
+def host_path_problem(value: str) -> str | None:
+    """A path on the host: absolute and normalised, without `$`, `~` or backslashes."""
+    if value.startswith("~"):
+        return (
+            f"{value!r}: `~` is expanded only in {LOCAL_FILES} (files on this machine); give "
+            "the absolute path on the host"
+        )
+    if "$" in value:
+        return f"{value!r}: `$` is not expanded (no variables in paths); write the path out"
+    if "\\" in value:
+        return f"{value!r} contains a backslash; paths on the host use `/`"
+    if not value.startswith("/"):
+        return f"{value!r} is not an absolute path; give the path from /, e.g. /opt/llamarig"
+    normal = "/" + posixpath.normpath(value).lstrip("/")
+    if normal != value:
+        return f"{value!r} is not normalised (`..`, `.`, `//` or a trailing `/`); write {normal}"
+    return None
+
+
+def local_path_problem(value: str) -> str | None:
+    """A path on this machine (`~` is expanded there, variables are not)."""
+    if "$" in value:
+        return (
+            f"{value!r}: `$` is not expanded (no variables in paths); write the path out "
+            "(`~` works)"
+        )
+    return None
+
+
+def file_name_problem(name: str) -> str | None:
+    """A model's file name under paths.models: any text but a path, an option or `.`/`..`."""
+    if "/" in name:
+        return f"{name!r} is a path; give only the file name (the directory is `paths.models`)"
+    if name in (".", ".."):
+        return f"{name!r} is not a file name"
+    if name.startswith("-"):
+        return f"{name!r} starts with `-`, which commands read as an option; rename it"
+    return None
+
+
+def _strings(data: dict, *key_paths: tuple) -> list[tuple[tuple, str]]:
+    """The string values at ``key_paths`` (missing keys and other types skipped)."""
+    found = []
+    for key_path in key_paths:
+        value: Any = data
+        for part in key_path:
+            value = value.get(part) if isinstance(value, dict) else None
+        if isinstance(value, str):
+            found.append((key_path, value))
+    return found
+
+
+def shape_problems(data: dict) -> list[tuple]:
+    """Every shape check of one host's rig data (after the schema passed)."""
+    problems = invisible_character_problems(data)
+    flagged = {key_path for key_path, *_ in problems}
+
+    def check(key_path: tuple, problem: str | None) -> None:
+        if problem and key_path not in flagged:
+            problems.append((key_path, problem))
+
+    ssh, model = data.get("ssh") or {}, data["model"]
+    for key_path, value in _strings(data, ("ssh", "host")):
+        check(key_path, address_problem(value, "ssh.port", "ssh.user"))
+    for key_path, value in _strings(data, ("server", "host")):
+        check(key_path, address_problem(value, "server.port", wildcard=True))
+    for key_path, value in _strings(data, ("rpc", "host")):
+        # 0.0.0.0 and :: are refused by the RPC role rule, with the reason.
+        check(key_path, address_problem(value, "rpc.port", wildcard=True))
+    if isinstance(ssh.get("user"), str):
+        user = ssh["user"]
+        if "@" in user:
+            check(("ssh", "user"), f"{user!r} holds an address: put it in `ssh.host`")
+        elif not _LOGIN.match(user):
+            check(
+                ("ssh", "user"),
+                f"{user!r} is not a login name (letters, digits, `_`, `.`, `-`; not starting "
+                "with `-`), e.g. root",
+            )
+    for key_path, value in _strings(data, ("ssh", "key"), ("ssh", "known_hosts")):
+        check(key_path, local_path_problem(value))
+    for key_path, value in _strings(data, ("server", "api_key_file")):
+        check(key_path, local_path_problem(value))
+
+    for key_path, value in _strings(data, ("model", "url")):
+        check(key_path, url_problem(value, ("http", "https"), "download over https"))
+    repo = data["nvidia_repo"]
+    insecure = repo.get("allow_insecure", False)
+    schemes = ("https", "http", "file") if insecure else ("https",)
+    check(
+        ("nvidia_repo", "url"),
+        url_problem(
+            repo["url"],
+            schemes,
+            "the keyring is installed as root from it: use https, or set "
+            "`nvidia_repo.allow_insecure: true` for a mirror you trust on your own network",
+        ),
+    )
+    if not _DEBIAN_PACKAGE.match(repo["keyring_package"]):
+        check(
+            ("nvidia_repo", "keyring_package"),
+            f"{repo['keyring_package']!r} is not a Debian package name (lowercase letters, "
+            "digits, `+`, `-`, `.`), e.g. cuda-keyring",
+        )
+    if not _DEBIAN_VERSION.match(repo["keyring_version"]):
+        check(
+            ("nvidia_repo", "keyring_version"),
+            f"{repo['keyring_version']!r} is not a Debian version as in the .deb file name "
+            "(digits first, then letters, digits, `.+~-`, no epoch), e.g. 1.1-1",
+        )
+    check(("llama_cpp", "repo"), git_repo_problem(data["llama_cpp"]["repo"]))
+
+    for key_path, value in _strings(data, ("server", "service"), ("rpc", "service")):
+        if value.startswith(("-", ".")):
+            check(
+                key_path,
+                f"{value!r} starts with {value[0]!r}; a unit name starts with a letter or digit",
+            )
+
+    host_paths = [("paths", key) for key in data["paths"]] + [("model", "path")]
+    if data["cuda"]["nvcc"] != "auto":
+        host_paths.append(("cuda", "nvcc"))
+    for key_path, value in _strings(data, *host_paths):
+        check(key_path, host_path_problem(value))
+
+    if isinstance(model.get("filename"), str):
+        check(("model", "filename"), file_name_problem(model["filename"]))
+    elif isinstance(model.get("url"), str) and ("model", "url") not in flagged:
+        derived = url_file_name(model["url"])
+        problem = file_name_problem(derived)
+        if problem and not any(key_path == ("model", "url") for key_path, *_ in problems):
+            problems.append(
+                (
+                    ("model", "url"),
+                    f"the file name taken from the URL, {problem}; set `model.filename`",
+                )
+            )
+    return problems
+
+
+def url_file_name(url: str) -> str:
+    """The file name a URL names: its path's last part, percent-decoded (as a browser saves
+    it)."""
+    try:
+        path = urlsplit(url).path
+    except ValueError:
+        path = url
+    return unquote(path.rstrip("/").rsplit("/", 1)[-1])
