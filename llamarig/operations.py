@@ -26,6 +26,7 @@ from pyinfra.facts.git import GitLocalCommit
 from pyinfra.operations.util.files import generate_color_diff
 
 from llamarig.facts import BuildDirectories, FileSha256, JsonFile
+from llamarig.llama_args import option_name
 from llamarig.render import CURL_AUTH
 
 
@@ -450,8 +451,9 @@ fi
 
 
 def server_flags(args: list[str]) -> list[str]:
-    """The option names in a llama-server command line (values such as ``-1`` excluded)."""
-    return sorted({arg.split("=", 1)[0] for arg in args[1:] if re.match(r"^--?[A-Za-z]", arg)})
+    """The option names in a llama-server command line, as llama.cpp looks them up (``--top_k``
+    is ``--top-k``; values such as ``-1`` excluded)."""
+    return sorted({option_name(arg) for arg in args[1:] if re.match(r"^--?[A-Za-z]", arg)})
 
 
 @operation(is_idempotent=False)

@@ -217,6 +217,12 @@ def test_server_flags_are_option_names_only():
     assert server_flags(args) == ["--chat-template-kwargs", "--seed", "-m", "-ts"]
 
 
+def test_server_flags_are_looked_up_as_llama_cpp_does():
+    """llama.cpp reads `--top_k` as `--top-k` (common/arg.cpp), so `--help`, which lists
+    `--top-k`, must be searched for that spelling or the deploy refuses a valid argument."""
+    assert server_flags(["bin", "--top_k", "40", "--min_p", "0.1"]) == ["--min-p", "--top-k"]
+
+
 def test_plan_command_json_and_exit_status(tmp_path, qwen_header):
     model = tmp_path / "qwen.gguf"
     write_qwen35(model, Qwen35Shape(), "q8_0")
