@@ -156,3 +156,28 @@ def test_file_name_from_a_percent_encoded_url(hostile):
     results = sandboxes.converge(path)
     assert results["totals"]["error"] == 0
     assert_served_literally(info, path, URL_NAME)
+
+
+def test_a_host_config_file_of_llama_cpp_never_reaches_the_server(hostile):
+    """llama.cpp applies /etc/llama.cpp/config.ini before the environment and argv, so such a
+    file could set options llamarig leaves unset; the unit hides the directory from the server
+    (InaccessiblePaths=), which still starts and serves."""
+    info, _ = hostile
+    in_sandbox(
+        info,
+        "mkdir -p /etc/llama.cpp && printf '[*]\\nthreads = 1\\n' > /etc/llama.cpp/config.ini "
+        f"&& systemctl restart {SERVICE}",
+    )
+    try:
+        pid = main_pid(info)
+        seen = in_sandbox(info, f"ls -A /proc/{pid}/root/etc/llama.cpp; echo end")
+        assert seen.splitlines() == ["end"], seen
+        assert in_sandbox(info, "cat /etc/llama.cpp/config.ini").startswith("[*]")
+        in_sandbox(
+            info,
+            f"curl -sf --retry 30 --retry-connrefused --retry-delay 1 "
+            f"http://127.0.0.1:{SERVER_PORT}/health",
+        )
+        assert complete()["tokens_predicted"] == 4
+    finally:
+        in_sandbox(info, f"rm -rf /etc/llama.cpp && systemctl restart {SERVICE}")
