@@ -56,7 +56,7 @@ from llamarig.sandbox import hosts_file, known_hosts_line, sshd_dropin  # noqa: 
 
 OUT = bench.OUT
 LOGS = OUT / "logs"
-RIG = ROOT / "inventory" / "gpu-h200-systemd.yml"
+SHIPPED_RIG = ROOT / "inventory" / "gpu-h200-systemd.yml"
 HOST_NAME = "h200-systemd"
 ROOT_DIR = Path("/srv/root")
 # Parts of the root archive: carried with this call, or by an earlier call of the same lease.
@@ -76,8 +76,12 @@ BROKEN = ["--lora", "/srv/llamarig/models/no-such-adapter.gguf"]
 LLAMA_BENCH_REPETITIONS = 5
 
 results: dict = {"started": bench.now()}
-host_yaml = yaml.safe_load(RIG.read_text())["all"]["children"]["gpu"]["hosts"][HOST_NAME]
+host_yaml = yaml.safe_load(SHIPPED_RIG.read_text())["all"]["children"]["gpu"]["hosts"][HOST_NAME]
 SSH = host_yaml["ssh"]
+# The rig as deployed: the shipped file plus an API key, kept on this machine (the control side).
+# A shipped inventory loads on any machine, so it cannot name a key file only this one has.
+API_KEY_FILE = bench.WORK / "api-key"
+RIG = bench.WORK / f"{HOST_NAME}.yml"
 SERVICE = "llama-server"
 UNIT = f"{SERVICE}.service"
 
@@ -271,7 +275,7 @@ def cmdline(pid: int) -> str:
 
 
 def api_key() -> str:
-    return Path(host_yaml["server"]["api_key_file"]).read_text().strip()
+    return API_KEY_FILE.read_text().strip()
 
 
 def wait_healthy(base: str, process: subprocess.Popen | None = None, timeout: float = 600) -> float:
@@ -389,11 +393,12 @@ def machine_facts() -> dict:
 
 def prepare() -> dict:
     timings: dict = {}
-    key_file = Path(host_yaml["server"]["api_key_file"])
-    key_file.parent.mkdir(parents=True, exist_ok=True)
-    if not key_file.exists():
-        key_file.write_text(secrets.token_hex(32) + "\n")
-        key_file.chmod(0o600)
+    API_KEY_FILE.parent.mkdir(parents=True, exist_ok=True)
+    if not API_KEY_FILE.exists():
+        API_KEY_FILE.write_text(secrets.token_hex(32) + "\n")
+        API_KEY_FILE.chmod(0o600)
+    api_key_rig = {"server": {"api_key_file": str(API_KEY_FILE)}}
+    bench.derived_inventory(SHIPPED_RIG, HOST_NAME, api_key_rig)  # writes RIG
     writer: dict = {}
 
     def write_model() -> None:
