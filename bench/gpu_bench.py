@@ -169,7 +169,7 @@ SAMPLING = {
 }
 
 
-def completion(base: str, sampling: str = "default") -> dict:
+def completion(base: str, sampling: str = "default", api_key: str | None = None) -> dict:
     body = json.dumps(
         {
             "prompt": PROMPT,
@@ -179,9 +179,10 @@ def completion(base: str, sampling: str = "default") -> dict:
             **SAMPLING[sampling],
         }
     ).encode()
-    request = urllib.request.Request(
-        f"{base}/completion", data=body, headers={"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(f"{base}/completion", data=body, headers=headers)
     with urllib.request.urlopen(request, timeout=600) as response:
         return json.load(response)
 
@@ -225,12 +226,12 @@ def running_server(inventory: Path, log_path: Path, extra: Sequence[str] = ()):
             wait_gpus_idle()
 
 
-def decode_speeds(base: str) -> dict[str, list[float]]:
+def decode_speeds(base: str, api_key: str | None = None) -> dict[str, list[float]]:
     """After a warm-up, REPETITIONS completions per sampling: their predicted_per_second."""
-    completion(base)
+    completion(base, api_key=api_key)
     return {
         sampling: [
-            completion(base, sampling)["timings"]["predicted_per_second"]
+            completion(base, sampling, api_key)["timings"]["predicted_per_second"]
             for _ in range(REPETITIONS)
         ]
         for sampling in SAMPLING

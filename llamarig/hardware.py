@@ -6,6 +6,7 @@ One table per fact family; the functions below only look things up in them.
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 
 def cuda_architecture(compute_capability: str) -> str:
@@ -327,3 +328,55 @@ def architecture_runs_on(arch: str, compute_capability: str) -> bool:
     if major != gpu_major or minor > gpu_minor:
         return False
     return variant != "a" or minor == gpu_minor
+
+
+# --- device access of the hardened units (DevicePolicy=closed) -------------------------------
+
+
+def char_device_groups(proc_devices: str) -> dict[str, set[int]]:
+    """The character-device groups of a /proc/devices text: name -> majors. Several names may
+    share a major (driver 580 lists 195 as both ``nvidia`` and ``nvidiactl``)."""
+    groups: dict[str, set[int]] = {}
+    in_char_section = False
+    for line in proc_devices.splitlines():
+        words = line.split()
+        if line.startswith("Character devices:"):
+            in_char_section = True
+        elif line.startswith("Block devices:"):
+            in_char_section = False
+        elif in_char_section and len(words) == 2 and words[0].isdigit():
+            groups.setdefault(words[1], set()).add(int(words[0]))
+    return groups
+
+
+def device_access_problems(
+    allowed: Iterable[str], proc_devices: str, needed: dict[str, int]
+) -> list[str]:
+    """What is wrong with a unit's DeviceAllow= entries (``char-NAME rw`` or ``/dev/PATH rw``,
+    as `systemctl show -P DeviceAllow` prints them) on a host with this /proc/devices, for the
+    device nodes a CUDA process opens (``needed``: path -> major): group names the host does not
+    list (systemd matches them as patterns against /proc/devices and silently drops a name
+    that matches nothing), and needed nodes that no entry lets the unit open."""
+    groups = char_device_groups(proc_devices)
+    problems, majors, paths = [], set(), set()
+    for entry in allowed:
+        node = entry.split()[0]
+        if node.startswith("/dev/"):
+            paths.add(node)
+            continue
+        pattern = node.removeprefix("char-")
+        matched = [name for name in groups if fnmatchcase(name, pattern)]
+        if not matched:
+            problems.append(
+                f"DeviceAllow={node} names a group /proc/devices does not list (listed: "
+                f"{', '.join(sorted(groups))}): systemd ignores it"
+            )
+        majors.update(major for name in matched for major in groups[name])
+    for path, major in sorted(needed.items()):
+        if path not in paths and major not in majors:
+            names = sorted(name for name, group in groups.items() if major in group)
+            problems.append(
+                f"the unit cannot open {path} (major {major}, {'/'.join(names) or 'unlisted'} "
+                "in /proc/devices): no DeviceAllow= entry covers it"
+            )
+    return problems

@@ -27,6 +27,15 @@ RPC_SERVER = "ggml-rpc-server"
 API_KEY_PATH = "/etc/llamarig/api-key"
 API_KEY_HEADER_PATH = "/etc/llamarig/api-key.header"
 CURL_AUTH = f'$([ -f {API_KEY_HEADER_PATH} ] && echo "-H @{API_KEY_HEADER_PATH}")'
+# The character-device groups (names in /proc/devices) of the NVIDIA driver that a CUDA process
+# opens, for the DeviceAllow= lines of the server and RPC worker units (DevicePolicy=closed):
+# `nvidia` and `nvidiactl` share major 195 (/dev/nvidia0.., /dev/nvidiactl), `nvidia-uvm` holds
+# /dev/nvidia-uvm and nvidia-uvm-tools, `nvidia-caps` the MIG capability nodes. Each name is
+# one that driver 580.159 lists (GUIDE §8); systemd silently ignores a name that /proc/devices
+# does not list (the units named `nvidia-frontend`, which that driver no longer registers).
+# Left out: nvidia-modeset (display), nvidia-nvswitch and nvidia-nvlink (the fabric manager's),
+# nvidia-caps-imex-channels (multi-node NVLink).
+NVIDIA_DEVICE_GROUPS = ("nvidia", "nvidiactl", "nvidia-uvm", "nvidia-caps")
 
 
 def nvcc_path(data: dict) -> str | None:
@@ -331,6 +340,13 @@ def _templates() -> Environment:
     return templates
 
 
+def device_allow(data: dict) -> list[str]:
+    """The DeviceAllow= values of a unit: the NVIDIA groups for a CUDA build, none otherwise."""
+    if data["llama_cpp"]["backend"] != "cuda":
+        return []
+    return [f"char-{group} rw" for group in NVIDIA_DEVICE_GROUPS]
+
+
 def unit_context(data: dict) -> dict:
     """Variables of files/llama-server.service.j2."""
     server = data["server"]
@@ -340,6 +356,7 @@ def unit_context(data: dict) -> dict:
         "exec_start": " ".join(systemd_quote(arg) for arg in server_args(data)),
         "env_file": paths["env_file"],
         "gpu": data["llama_cpp"]["backend"] == "cuda",
+        "device_allow": device_allow(data),
         "mlock": "mlock" in server["load_mode"],
         "models_dir": data["paths"]["models"],
         "prefix": data["paths"]["prefix"],
@@ -373,6 +390,7 @@ def render_rpc_unit(data: dict) -> str:
             service=rpc["service"],
             exec_start=" ".join(systemd_quote(arg) for arg in rpc_server_args(data)),
             gpu=data["llama_cpp"]["backend"] == "cuda",
+            device_allow=device_allow(data),
             environment=service_environment(data, rpc["service"]),
         )
     )

@@ -10,12 +10,16 @@ import re
 import pytest
 
 from llamarig.config import LOOPBACK_HOSTS
-from llamarig.hardware import check_versions, cuda_architecture
+from llamarig.hardware import check_versions, cuda_architecture, device_access_problems
 from llamarig.platform import SUPPORTED, os_key
 
 BLACKLISTED = ("nouveau", "nova_core", "nova")
 BLACKLIST_FILE = "/etc/modprobe.d/llamarig-blacklist-nouveau-nova.conf"
 MEMORY_USED = "nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits"
+# The NVIDIA device nodes a CUDA process opens (the caps nodes exist only where MIG made them).
+NVIDIA_NODES = (
+    "/dev/nvidiactl /dev/nvidia[0-9]* /dev/nvidia-uvm /dev/nvidia-uvm-tools /dev/nvidia-caps/*"
+)
 HARDENING = {
     "ProtectSystem": "strict",
     "ProtectHome": "yes",
@@ -240,6 +244,24 @@ def test_service_hardening(host, systemd_rig):
     }
     wrong = {key: value for key, value in values.items() if value != HARDENING[key]}
     assert not wrong, f"hardening settings differ: {wrong} (expected {HARDENING})"
+
+
+def test_service_may_open_the_gpus(host, systemd_rig, gpus):
+    """DevicePolicy=closed: the unit opens only what its DeviceAllow= entries name. Each must be
+    a group this host's driver lists in /proc/devices (systemd drops others without a word), and
+    together they must cover every NVIDIA node, or CUDA fails (or falls back to the CPU)."""
+    service = systemd_rig["server"]["service"]
+    words = host.run(f"systemctl show -P DeviceAllow {service}").stdout.split()
+    # Only the NVIDIA entries: systemd adds its own (ProtectClock= adds `char-rtc r`, a group
+    # that a machine without a real-time clock does not list, harmlessly).
+    pairs = [" ".join(words[i : i + 2]) for i in range(0, len(words), 2)]
+    allowed = [entry for entry in pairs if entry.startswith("char-nvidia")]
+    nodes = host.run(f"stat -c '%n %t' {NVIDIA_NODES} 2>/dev/null").stdout.splitlines()
+    needed = {path: int(major, 16) for path, major in (line.split() for line in nodes)}
+    assert needed, "no NVIDIA device nodes in /dev: is the driver loaded (nvidia-modprobe)?"
+    problems = device_access_problems(allowed, host.file("/proc/devices").content_string, needed)
+    print(f"DeviceAllow: {allowed}")
+    assert not problems, "; ".join(problems) + " (render.NVIDIA_DEVICE_GROUPS)"
 
 
 def listening_addresses(host, port: int | None) -> list[str]:
