@@ -9,13 +9,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import threading
 from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 
-from llamarig.fileserver import make_server
 from tests.conftest import pyinfra_env
 
 pytestmark = pytest.mark.skipif(
@@ -42,18 +40,6 @@ def run_deploy(tmp_path: Path, body: str, *options: str) -> tuple[int, dict | No
 
 def changed(results: dict) -> int:
     return results["totals"]["success"]
-
-
-@pytest.fixture
-def file_server(tmp_path):
-    """Serve tmp_path/www over HTTP with range support (the sandbox's model server)."""
-    root = tmp_path / "www"
-    root.mkdir()
-    server = make_server(root, 0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield root, f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
 
 
 def sha256(data: bytes) -> str:
