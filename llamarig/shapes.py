@@ -117,6 +117,12 @@ def address_problem(
     if "@" in value:
         user, _, address = value.rpartition("@")
         if user_key:
+            host, colon, port = address.rpartition(":")
+            if colon and port.isdigit() and ":" not in host:
+                return (
+                    f"{value!r} holds a user and a port: put `{user}` in `{user_key}`, {port} "
+                    f"in `{port_key}` and `{host}` here"
+                )
             return f"{value!r} holds a user: put `{user}` in `{user_key}` and `{address}` here"
         return f"{value!r} holds a user part; give only the address, `{address}`"
     if value.startswith("["):

@@ -53,6 +53,12 @@ CASES = [
         ("holds a user", "put `root` in `ssh.user` and `192.0.2.1` here"),
     ),
     Case(
+        "ssh-host-with-user-and-port",
+        ssh("{host: 'root@192.0.2.1:2222'}"),
+        "hosts.rig1.ssh.host",
+        ("holds a user and a port", "`root` in `ssh.user`, 2222 in `ssh.port` and `192.0.2.1`"),
+    ),
+    Case(
         "ssh-host-with-port",
         ssh("{host: '192.0.2.1:2222', user: root}"),
         "hosts.rig1.ssh.host",
