@@ -915,10 +915,6 @@ def _json_type(value: Any) -> str:
 
 MISSING = "missing"  # third element of a semantic problem: blame the inventory, not a default
 
-# The largest `server.ctx`: 2**24 tokens, above the trained context of any model (the longest
-# published, Llama 4 Scout, claims 10M). Anything larger is a typo, and would be planned as such.
-MAX_CTX = 16_777_216
-
 # KV cache types the CUDA backend has a flash-attention kernel for at the pinned llama.cpp
 # (ggml_cuda_fattn_kv_type_supported in ggml-cuda/fattn.cu); f32 is converted to f16.
 CUDA_FA_KV_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")

@@ -34,6 +34,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from llamarig import CACHE_DIR
+from llamarig.config import defaults
 from llamarig.testmodel import sha256_file, write_test_model
 
 RELEASES = ("trixie", "bookworm")
@@ -44,8 +45,9 @@ DEFAULT_HTTP_PORT = 8765
 DEFAULT_GIT_PORT = 9418
 LOOPBACK = "127.0.0.1"
 
-# llama.cpp source: the llama-cpp-python sdist vendors the pinned tree with a shallow .git.
-LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+# llama.cpp source: the llama-cpp-python sdist vendors the pinned tree with a shallow .git. The
+# pin is written once, in group_data/all.yml; a pin the sdist lacks fails at `git update-ref`.
+LLAMA_CPP_COMMIT = defaults()["llama_cpp"]["commit"]
 SDIST_NAME = "llama_cpp_python-0.3.36"
 SDIST_URL = (
     "https://files.pythonhosted.org/packages/ec/e9/"
