@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     verify_parser = commands.add_parser(
         "verify",
-        help="check each host against its rig data with the testinfra suite in tests/rig "
+        help="check each host against its rig data with the testinfra suite in llamarig/checks "
         "(over ssh:// with strict host keys); exit non-zero when a check fails",
     )
     verify_parser.add_argument("--host", help="only this host")

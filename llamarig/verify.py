@@ -1,5 +1,6 @@
-"""`llamarig verify`: run the testinfra suite in tests/rig against each host of RIG_INVENTORY,
-over ssh:// with strict host-key checking, with expectations from the host's rig data."""
+"""`llamarig verify`: run the testinfra suite in llamarig/checks against each host of
+RIG_INVENTORY, over ssh:// with strict host-key checking, with expectations from the host's rig
+data."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llamarig import PROJECT_DIR, render
+from llamarig import PACKAGE_DIR, PROJECT_DIR, render
 from llamarig.cli import ssh_config_value
 from llamarig.config import HostConfig, expand_path, strict_host_key_checking
 from llamarig.plan import plan_host
 
-SUITE = PROJECT_DIR / "tests" / "rig"
+# Inside the package, so an installed llamarig (not only a source checkout) carries it.
+SUITE = PACKAGE_DIR / "checks"
 
 
 def ssh_config(name: str, ssh: dict) -> str:

@@ -1,5 +1,5 @@
 """Fixtures of the rig verification suite (run by `llamarig verify`, or by hand with
-`pytest tests/rig --hosts=ssh://HOST --ssh-config=FILE` and LLAMARIG_VERIFY_DATA set).
+`pytest llamarig/checks --hosts=ssh://HOST --ssh-config=FILE` and LLAMARIG_VERIFY_DATA set).
 
 The expectations come from the rig data that drove the deploy, written to a JSON file by
 `llamarig verify` and named by LLAMARIG_VERIFY_DATA."""
