@@ -4,6 +4,7 @@ package carries the testinfra suite it runs (llamarig/checks), not the checkout'
 import importlib.util
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -42,7 +43,7 @@ def install(tmp_path: Path) -> Path:
         PROJECT / "llamarig", source / "llamarig", ignore=shutil.ignore_patterns("__pycache__")
     )
     venv = tmp_path / "venv"
-    subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     purelib = subprocess.run(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
