@@ -314,10 +314,10 @@ def _document_problem(path: Path, document: Any) -> str | None:
 def load_inventory(path: Path | None = None) -> Inventory:
     """Load, merge and validate every host of an inventory file.
 
-    A host's settings cascade as Ansible's (README, "How settings cascade"): group_data/all.yml,
-    then every group the host is in, ordered by depth, priority and name, each as its
-    group_data/GROUP.yml under its inventory `vars:`, then the host's own settings from all of
-    its entries. Raises ConfigError listing every problem of every host at once.
+    A host's settings cascade as Ansible's (docs/inventory.md, "How settings cascade"):
+    group_data/all.yml, then every group the host is in, ordered by depth, priority and name,
+    each as its group_data/GROUP.yml under its inventory `vars:`, then the host's own settings
+    from all of its entries. Raises ConfigError listing every problem of every host at once.
     """
     path = path or inventory_path()
     document = load_yaml(path)
@@ -1721,8 +1721,8 @@ def connection_problems(inventory: Inventory) -> list[str]:
                     host_config,
                     ("ssh", "known_hosts"),
                     f"{known_hosts} has no key for {name}, and host keys are checked strictly: "
-                    "add the box's key first (README, Enrolling a new box: `ssh-keyscan` it and "
-                    "compare the fingerprint with the box's console), or set "
+                    "add the box's key first (docs/inventory.md, Enrolling a new box: "
+                    "`ssh-keyscan` it and compare the fingerprint with the box's console), or set "
                     "`ssh.host_key_checking: accept-new` for the first run",
                     in_inventory="known_hosts" not in ssh,
                 )

@@ -1,4 +1,4 @@
-"""Ansible's group semantics in the inventory loader (README, "How settings cascade").
+"""Ansible's group semantics in the inventory loader (docs/inventory.md, "How settings cascade").
 
 The rules, from Ansible's inventory guide (docs.ansible.com/ansible/latest/inventory_guide/
 intro_inventory.html: "How variables are merged", "Inheriting variable values") and the code of
