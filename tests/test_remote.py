@@ -8,10 +8,22 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pyinfra.api import Config, Inventory, State
+from pyinfra.api.connect import connect_all
+from pyinfra.context import ctx_host, ctx_state
 
+from llamarig import stage
 from llamarig.config import load_inventory
 from llamarig.facts import FileHead, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.remote import SshTarget, gather, run_on_host, shell_reader, ssh_alias
+from llamarig.plan import plan_host
+from llamarig.remote import (
+    SshTarget,
+    gather,
+    pyinfra_host,
+    run_on_host,
+    shell_reader,
+    ssh_alias,
+)
 from tests.ggufmodels import write_qwen35
 
 
@@ -184,3 +196,21 @@ def test_a_missing_host_file_says_so(write_inventory, tmp_path):
     gathered = gather(data, shell_reader(data), gpus=False)
     assert gathered.header is None
     assert f"{tmp_path}/absent.gguf is not on the host yet" in gathered.header_note
+
+
+def test_the_deploy_and_the_cli_read_the_same(write_inventory, tmp_path, monkeypatch):
+    """The deploy's plan (pyinfra facts on @local) equals the CLI's (sh on the same host)."""
+    model = tmp_path / "m.gguf"
+    write_qwen35(model)
+    host_config = load_inventory(write_inventory(LOCAL_RIG.format(model=model))).hosts["here"]
+    inventory = Inventory(([pyinfra_host(host_config)], {}))
+    state = State(inventory, Config())
+    connect_all(state)
+    monkeypatch.setattr(stage, "_rigs", {})
+    monkeypatch.setattr(stage, "_plans", {})
+    with ctx_state.use(state), ctx_host.use(inventory.get_host("@local")):
+        deployed = stage.plan()
+    data = host_config.data
+    planned = plan_host("@local", data, **gather(data, shell_reader(data)).plan_inputs())
+    assert "GPU memory" in deployed.errors[0]  # the header was read: its weights do not fit
+    assert deployed.errors == planned.errors and deployed.resolved == planned.resolved
