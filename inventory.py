@@ -6,7 +6,8 @@ a mistake stops here with the file, the key path and the fix.
 
 import sys
 
-from llamarig.config import ConfigError, connection_problems, load_inventory, pyinfra_host
+from llamarig.config import ConfigError, connection_problems, load_inventory
+from llamarig.remote import pyinfra_host
 
 try:
     _inventory = load_inventory()

@@ -50,8 +50,8 @@ os.environ.setdefault("OUT", "/srv/llamarig/out-systemd")
 
 from bench import gpu_bench as bench  # noqa: E402
 from llamarig import render  # noqa: E402
-from llamarig.cli import ssh_command  # noqa: E402
 from llamarig.hardware import char_device_groups, device_access_problems  # noqa: E402
+from llamarig.remote import SshTarget  # noqa: E402
 from llamarig.sandbox import hosts_file, known_hosts_line, sshd_dropin  # noqa: E402
 
 OUT = bench.OUT
@@ -228,7 +228,7 @@ def wait_for_ssh(data: dict, timeout: float = 60) -> float:
     start = time.monotonic()
     while True:
         probe = subprocess.run(
-            [*ssh_command(data), "true"], capture_output=True, text=True, timeout=30
+            [*SshTarget.of(data["ssh"]).argv(), "true"], capture_output=True, text=True, timeout=30
         )
         if probe.returncode == 0:
             return round(time.monotonic() - start, 1)

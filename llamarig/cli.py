@@ -6,47 +6,14 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 
 from llamarig import render
 from llamarig.config import ConfigError, inventory_path, load_inventory
 from llamarig.gguf_header import GgufError
-from llamarig.plan import HOST_HEADER_READ, gpus_from_pci, header_from_host, load_header, plan_host
-
-
-def _probe(data: dict) -> tuple[list[dict] | None, str, str | None]:
-    """GPUs of a host over SSH: nvidia-smi when the driver answers, else PCI ids from sysfs."""
-    from llamarig.facts import NVIDIA_SMI_FIELDS, NvidiaPciDevices, parse_nvidia_smi_line
-
-    query = f"nvidia-smi --query-gpu={','.join(NVIDIA_SMI_FIELDS)} --format=csv,noheader,nounits"
-    result = _on_host(data, query)
-    lines = [line for line in result.stdout.splitlines() if line.strip()]
-    if result.returncode == 0 and lines:
-        gpus = [parse_nvidia_smi_line(line) for line in lines]
-        return gpus, "nvidia-smi", gpus[0]["driver_version"]
-    result = _on_host(data, NvidiaPciDevices().command())
-    devices = NvidiaPciDevices().process(result.stdout.splitlines())
-    gpus, _ = gpus_from_pci(devices)
-    return gpus or None, "PCI ids", None
-
-
-def host_header(data: dict, model: str | None = None, contact: bool = False):
-    """The model's GGUF header: ``model`` (a local copy), the model URL, else the file on the
-    host (read in place on a local host; over SSH only when ``contact`` allows it)."""
-    from llamarig.facts import FileHead
-
-    header, note = load_header(data, model)
-    if header is not None or not (contact or data["ssh"].get("local")):
-        return header, note
-    path = render.layout(data)["model"]
-    head = FileHead().process(_on_host(data, FileHead().command(path, HOST_HEADER_READ)).stdout)
-    return header_from_host(head, path, note)
-
-
-def _on_host(data: dict, command: str) -> subprocess.CompletedProcess:
-    argv = ["sh", "-c", command] if data["ssh"].get("local") else [*ssh_command(data), command]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=120)
+from llamarig.plan import plan_host
+from llamarig.remote import SshTarget, gather, run_on_host, shell_reader
+from llamarig.verify import verify_host
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -59,11 +26,11 @@ def _plan(args: argparse.Namespace) -> int:
         if args.host and name != args.host:
             continue
         data = host_config.data
-        probed, source, driver_version = _probe(data) if args.probe else (None, "probed", None)
-        header, note = None, ""
-        if data["llama_cpp"]["backend"] == "cuda":
-            header, note = host_header(data, args.model, args.probe)
-        plans[name] = plan_host(name, data, header, note, probed, source, driver_version)
+        # The host is contacted only with --probe; a local host's model file is read in place.
+        contact = args.probe or data["ssh"].get("local")
+        reader = shell_reader(data) if contact else None
+        gathered = gather(data, reader, gpus=args.probe, model=args.model)
+        plans[name] = plan_host(name, data, **gathered.plan_inputs())
     if args.json:
         print(json.dumps({"hosts": {n: p.to_json() for n, p in plans.items()}}, indent=2))
     else:
@@ -73,38 +40,6 @@ def _plan(args: argparse.Namespace) -> int:
                 print(render.render_unit(host_plan.resolved))
                 print(render.render_env_file(host_plan.resolved))
     return 0 if all(p.fits for p in plans.values()) else 1
-
-
-def ssh_command(data: dict, *options: str) -> list[str]:
-    """An ssh command line for a host (``options`` added), with the same host-key checking as
-    the deploy: strict, or accept-new where the user opted in (`ssh.host_key_checking`).
-
-    `--` ends the options: the destination is never read as one (`-oProxyCommand=...` would run
-    a command here), though the loader refuses such a host already."""
-    from llamarig.config import expand_path, strict_host_key_checking
-
-    ssh = data["ssh"]
-    checking = f"StrictHostKeyChecking={strict_host_key_checking(ssh)}"
-    command = ["ssh", "-o", checking, "-o", "BatchMode=yes"]
-    if "known_hosts" in ssh:
-        known_hosts = ssh_config_value(expand_path(ssh["known_hosts"]))
-        command += ["-o", f"UserKnownHostsFile={known_hosts}"]
-    if "key" in ssh:
-        # As an option, not -i: ssh checks an -i path before it expands %-tokens in it, so no
-        # spelling of a path with `%` would work there.
-        command += ["-o", f"IdentityFile={ssh_config_value(expand_path(ssh['key']))}"]
-    command += ["-p", str(ssh.get("port", 22)), *options]
-    user = f"{ssh['user']}@" if "user" in ssh else ""
-    return [*command, "--", f"{user}{ssh['host']}"]
-
-
-def ssh_config_value(value: str) -> str:
-    """``value`` as one argument of an ssh_config line (or ``ssh -o``): %-tokens escaped, and
-    quoted (ssh splits arguments at spaces, honouring double quotes and backslashes)."""
-    value = value.replace("%", "%%")
-    if value and not any(ch in value for ch in " \t\"'\\#"):
-        return value
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _complete(args: argparse.Namespace) -> int:
@@ -120,8 +55,7 @@ def _complete(args: argparse.Namespace) -> int:
             f"curl -sS -f {render.CURL_AUTH} -H 'Content-Type: application/json' "
             f"-d {shlex.quote(body)} -- {completion}"
         )
-        command = ["sh", "-c", curl] if data["ssh"].get("local") else [*ssh_command(data), curl]
-        result = subprocess.run(command, capture_output=True, text=True)
+        result = run_on_host(data, curl, timeout=None)
         if result.returncode != 0:
             print(f"{name}: completion failed: {result.stderr.strip()}", file=sys.stderr)
             status = 1
@@ -136,8 +70,6 @@ def _complete(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from llamarig.verify import verify_host
-
     inventory = load_inventory()
     if args.host and args.host not in inventory.hosts:
         print(f"llamarig: no host {args.host!r} in {inventory.path}", file=sys.stderr)
@@ -175,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
             return 1
         os.execv(launcher[0], launcher)
     # -t: a terminal, so Ctrl-C stops the remote server too.
-    os.execvp("ssh", [*ssh_command(data, "-t"), shlex.join(launcher)])
+    os.execvp("ssh", [*SshTarget.of(data["ssh"]).argv("-t"), shlex.join(launcher)])
     return 1
 
 

@@ -1625,28 +1625,6 @@ def strict_host_key_checking(ssh: dict) -> str:
     return "accept-new" if ssh.get("host_key_checking") == "accept-new" else "yes"
 
 
-def pyinfra_host(host_config: HostConfig) -> tuple[str, dict]:
-    """The (name, data) pair pyinfra's inventory expects, with SSH settings mapped."""
-    data = copy.deepcopy(host_config.data)
-    ssh = data.get("ssh") or {}
-    if ssh.get("local"):
-        return "@local", data
-    connection = {
-        "ssh_hostname": ssh["host"],
-        "ssh_port": ssh.get("port", 22),
-        # Host keys are always checked: a rig holds API keys and model files. pyinfra's own
-        # default is accept-new; only the user's `ssh.host_key_checking` chooses it here.
-        "ssh_strict_host_key_checking": strict_host_key_checking(ssh),
-    }
-    if "user" in ssh:
-        connection["ssh_user"] = ssh["user"]
-    if "key" in ssh:
-        connection["ssh_key"] = expand_path(ssh["key"])
-    if "known_hosts" in ssh:
-        connection["ssh_known_hosts_file"] = expand_path(ssh["known_hosts"])
-    return host_config.name, {**data, **connection}
-
-
 def _host_key_known(known_hosts: str, host: str, port: int) -> bool | None:
     """Whether ``known_hosts`` holds a key for host:port, looked up as pyinfra (paramiko) will:
     the name ``host`` or ``[host]:port``, hashed entries included, after ~/.ssh/config's

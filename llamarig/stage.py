@@ -17,16 +17,8 @@ from pyinfra.operations import systemd
 
 from llamarig import operations
 from llamarig.config import ConfigError, rig_data
-from llamarig.facts import FileHead, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.plan import (
-    HOST_HEADER_READ,
-    HostPlan,
-    gpus_from_pci,
-    header_from_host,
-    load_header,
-    plan_host,
-)
-from llamarig.render import layout
+from llamarig.plan import HostPlan, plan_host
+from llamarig.remote import gather
 
 _rigs: dict[str, dict] = {}
 _plans: dict[str, HostPlan] = {}
@@ -48,35 +40,11 @@ def plan() -> HostPlan:
     GGUF header (read from the model's URL, else from the file on the host)."""
     if host.name not in _plans:
         data = rig()
-        probed, source, driver_version = None, "probed", None
-        header, note = None, ""
-        if data["llama_cpp"]["backend"] == "cuda":
-            probed, source, driver_version = _probe_gpus()
-            header, note = _model_header(data)
-        _plans[host.name] = plan_host(host.name, data, header, note, probed, source, driver_version)
+        gathered = gather(data, host.get_fact, gpus=data["llama_cpp"]["backend"] == "cuda")
+        for warning in gathered.warnings:
+            host.noop(warning)
+        _plans[host.name] = plan_host(host.name, data, **gathered.plan_inputs())
     return _plans[host.name]
-
-
-def _probe_gpus() -> tuple[list[dict] | None, str, str | None]:
-    smi = host.get_fact(NvidiaSmiGpus)
-    if smi:
-        return smi, "nvidia-smi", smi[0]["driver_version"]
-    pci = host.get_fact(NvidiaPciDevices)
-    if not pci:
-        return None, "PCI ids", None
-    gpus, warnings = gpus_from_pci(pci)
-    for warning in warnings:
-        host.noop(warning)
-    return gpus, "PCI ids", None
-
-
-def _model_header(data: dict):
-    """The header from the model's URL (before anything is on the host), else the host's file."""
-    header, reason = load_header(data)
-    if header is not None:
-        return header, ""
-    path = layout(data)["model"]
-    return header_from_host(host.get_fact(FileHead, path=path, size=HOST_HEADER_READ), path, reason)
 
 
 def refuse(problems: list[str]) -> None:

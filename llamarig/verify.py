@@ -6,56 +6,25 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from llamarig import PACKAGE_DIR, PROJECT_DIR, render
-from llamarig.cli import ssh_config_value
-from llamarig.config import HostConfig, expand_path, strict_host_key_checking
+from llamarig.config import HostConfig
 from llamarig.plan import plan_host
+from llamarig.remote import SshTarget, gather, shell_reader, ssh_alias
 
 # Inside the package, so an installed llamarig (not only a source checkout) carries it.
 SUITE = PACKAGE_DIR / "checks"
 
 
-def ssh_config(name: str, ssh: dict) -> str:
-    """An ssh_config block for testinfra's ssh backend (never paramiko://, which does not
-    check host keys)."""
-    lines = [
-        f"Host {name}",
-        f"  HostName {ssh['host']}",
-        f"  Port {ssh.get('port', 22)}",
-        # yes, or accept-new where the user opted in (ssh.host_key_checking), as for pyinfra
-        f"  StrictHostKeyChecking {strict_host_key_checking(ssh)}",
-        "  BatchMode yes",
-    ]
-    if "user" in ssh:
-        lines.append(f"  User {ssh['user']}")
-    if "key" in ssh:
-        key = ssh_config_value(expand_path(ssh["key"]))
-        lines += [f"  IdentityFile {key}", "  IdentitiesOnly yes"]
-    if "known_hosts" in ssh:
-        lines.append(f"  UserKnownHostsFile {ssh_config_value(expand_path(ssh['known_hosts']))}")
-    return "\n".join(lines) + "\n"
-
-
-def ssh_alias(name: str) -> str:
-    """The ssh_config alias of an inventory host: one word whatever the host's name holds."""
-    return "llamarig-" + re.sub(r"[^A-Za-z0-9._-]", "_", name)
-
-
 def expectations(host_config: HostConfig) -> dict:
     """What the suite checks the host against: the planned data and values derived from it."""
-    from llamarig.cli import host_header
-
     # The model header resolves `auto` context and split exactly as the deploy did.
-    header, note = (None, "")
-    if host_config.data["llama_cpp"]["backend"] == "cuda":
-        header, note = host_header(host_config.data, contact=True)
-    plan = plan_host(host_config.name, host_config.data, header, note)
+    gathered = gather(host_config.data, shell_reader(host_config.data), gpus=False)
+    plan = plan_host(host_config.name, host_config.data, **gathered.plan_inputs())
     data = plan.resolved
     return {
         "name": host_config.name,
@@ -81,7 +50,7 @@ def verify_host(host_config: HostConfig, pytest_args: list[str]) -> int:
         else:
             config = Path(scratch) / "ssh_config"
             alias = ssh_alias(host_config.name)
-            config.write_text(ssh_config(alias, ssh))
+            config.write_text(SshTarget.of(ssh).ssh_config(alias))
             target = [f"--hosts=ssh://{alias}", f"--ssh-config={config}"]
         command = [
             sys.executable, "-m", "pytest", str(SUITE), *target,

@@ -26,10 +26,10 @@ from llamarig.config import (
     ConfigError,
     connection_problems,
     load_inventory,
-    pyinfra_host,
     rig_data,
     schema,
 )
+from llamarig.remote import pyinfra_host
 
 EXAMPLES = 250
 PROPERTY = settings(

@@ -27,10 +27,9 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from llamarig import operations, render
-from llamarig.cli import ssh_command, ssh_config_value
 from llamarig.config import ConfigError, load_inventory
 from llamarig.facts import ServerProbe
-from llamarig.verify import ssh_alias, ssh_config
+from llamarig.remote import SshTarget, ssh_alias, ssh_config_value
 
 PROPERTY = settings(
     max_examples=int(os.environ.get("SHELL_EXAMPLES", 60)),
@@ -378,7 +377,7 @@ def check_server(data: dict, shims: Shims, scratch: Path) -> None:
 
 def check_ssh(name: str, data: dict, tmp_path: Path) -> None:
     ssh = data["ssh"]
-    argv = ssh_command(data)
+    argv = SshTarget.of(ssh).argv()
     destination = f"{ssh['user']}@{ssh['host']}" if "user" in ssh else ssh["host"]
     assert argv[-2:] == ["--", destination]
     resolved = ssh_resolved(argv)
@@ -390,7 +389,7 @@ def check_ssh(name: str, data: dict, tmp_path: Path) -> None:
     if "key" in ssh:  # ssh -G shows identity files before their %-tokens are expanded
         assert os.path.expanduser(ssh["key"]).replace("%", "%%") in resolved["identityfile"]
     config = tmp_path / "ssh_config"
-    config.write_text(ssh_config(ssh_alias(name), ssh))
+    config.write_text(SshTarget.of(ssh).ssh_config(ssh_alias(name)))
     from_config = ssh_resolved(["ssh", "-F", str(config), ssh_alias(name)])
     for key in ("hostname", "port", "user", "userknownhostsfile", "identityfile"):
         assert from_config.get(key) == resolved.get(key), key
@@ -505,13 +504,15 @@ def test_ssh_config_values_round_trip_through_openssh(tmp_path, text):
 
 
 def test_ssh_ends_its_options_before_the_destination():
-    argv = ssh_command({"ssh": {"host": "192.0.2.1", "user": "root", "port": 2222}}, "-t")
+    argv = SshTarget.of({"host": "192.0.2.1", "user": "root", "port": 2222}).argv("-t")
     assert argv[-3:] == ["-t", "--", "root@192.0.2.1"]
 
 
 @pytest.mark.parametrize("name", ["rig 1", "rig;touch /tmp/x", "-oProxyCommand=x", "a\tb"])
 def test_the_verify_alias_of_any_host_name_is_one_ssh_config_word(name, tmp_path):
     config = tmp_path / "ssh_config"
-    config.write_text(ssh_config(ssh_alias(name), {"host": "192.0.2.1", "user": "root"}))
+    config.write_text(
+        SshTarget.of({"host": "192.0.2.1", "user": "root"}).ssh_config(ssh_alias(name))
+    )
     resolved = ssh_resolved(["ssh", "-F", str(config), ssh_alias(name)])
     assert resolved["hostname"] == ["192.0.2.1"] and resolved["user"] == ["root"]

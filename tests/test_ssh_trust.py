@@ -28,16 +28,14 @@ from pyinfra.connectors.sshuserclient.client import (
     get_missing_host_key_policy,
 )
 
-from llamarig.cli import ssh_command
 from llamarig.config import (
     ConfigError,
     connection_problems,
     defaults,
     load_inventory,
-    pyinfra_host,
     strict_host_key_checking,
 )
-from llamarig.verify import ssh_config
+from llamarig.remote import SshTarget, pyinfra_host
 
 RIG = """\
 all:
@@ -100,26 +98,18 @@ def test_pyinfra_host_maps_the_policy_and_known_hosts(write_inventory, setting, 
 
 @pytest.mark.parametrize(("setting", "value"), [("strict", "yes"), ("accept-new", "accept-new")])
 def test_testinfra_ssh_config_maps_the_policy(setting, value):
-    text = ssh_config(
-        "llamarig-rig1",
-        {"host": "192.0.2.1", "port": 2200, "known_hosts": "/kh", "host_key_checking": setting},
-    )
+    text = SshTarget.of(
+        {"host": "192.0.2.1", "port": 2200, "known_hosts": "/kh", "host_key_checking": setting}
+    ).ssh_config("llamarig-rig1")
     assert f"  StrictHostKeyChecking {value}\n" in text
     assert "  UserKnownHostsFile /kh\n" in text and "  BatchMode yes\n" in text
 
 
 @pytest.mark.parametrize(("setting", "value"), [("strict", "yes"), ("accept-new", "accept-new")])
 def test_cli_ssh_command_maps_the_policy(setting, value):
-    command = ssh_command(
-        {
-            "ssh": {
-                "host": "192.0.2.1",
-                "user": "root",
-                "known_hosts": "/kh",
-                "host_key_checking": setting,
-            }
-        }
-    )
+    command = SshTarget.of(
+        {"host": "192.0.2.1", "user": "root", "known_hosts": "/kh", "host_key_checking": setting}
+    ).argv()
     assert command[:5] == ["ssh", "-o", f"StrictHostKeyChecking={value}", "-o", "BatchMode=yes"]
     assert "UserKnownHostsFile=/kh" in command and command[-1] == "root@192.0.2.1"
 
@@ -275,14 +265,14 @@ def connects_with_pyinfra(write_inventory, ssh: dict) -> bool:
 
 def connects_with_openssh(ssh: dict) -> bool:
     result = subprocess.run(
-        [*ssh_command({"ssh": ssh}), "true"], capture_output=True, text=True, timeout=30
+        [*SshTarget.of(ssh).argv(), "true"], capture_output=True, text=True, timeout=30
     )
     return result.returncode == 0 and result.stdout == "ok\n"
 
 
 def connects_with_testinfra(ssh: dict, directory: Path) -> bool:
     config = directory / "ssh_config"
-    config.write_text(ssh_config("llamarig-rig1", ssh))
+    config.write_text(SshTarget.of(ssh).ssh_config("llamarig-rig1"))
     host = testinfra.get_host("ssh://llamarig-rig1", ssh_config=str(config))
     try:
         return host.run("true").rc == 0

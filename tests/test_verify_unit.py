@@ -3,16 +3,16 @@
 import re
 
 from llamarig.config import load_inventory
-from llamarig.verify import expectations, ssh_config
+from llamarig.remote import SshTarget
+from llamarig.verify import expectations
 from tests.conftest import PROJECT
 from tests.ggufmodels import write_qwen35
 
 
 def test_ssh_config_checks_host_keys():
-    text = ssh_config(
-        "llamarig-rig1",
-        {"host": "192.0.2.1", "port": 2200, "user": "root", "key": "/k", "known_hosts": "/kh"},
-    )
+    text = SshTarget.of(
+        {"host": "192.0.2.1", "port": 2200, "user": "root", "key": "/k", "known_hosts": "/kh"}
+    ).ssh_config("llamarig-rig1")
     assert "Host llamarig-rig1\n  HostName 192.0.2.1\n  Port 2200\n" in text
     assert "StrictHostKeyChecking yes" in text and "UserKnownHostsFile /kh" in text
     assert "IdentityFile /k" in text and "BatchMode yes" in text
