@@ -269,7 +269,10 @@ class RunningService(FactBase):
         pid, reload, exe, started, cmdline, environ, model_mtime = lines[:7]
 
         def nul_list(encoded: str) -> list[str]:
-            return [item for item in base64.b64decode(encoded).decode().split("\0") if item]
+            # Each item ends in a NUL: only the last one is a terminator, not an empty item (an
+            # empty argument such as `--chat-template ""` is one).
+            text = base64.b64decode(encoded).decode()
+            return text.removesuffix("\0").split("\0") if text else []
 
         return {
             "pid": int(pid),

@@ -92,3 +92,13 @@ def test_running_service_parses_the_main_process():
         "model_mtime": 1764519000,
     }
     assert RunningService().process([]) is None
+    # An empty argument is kept: dropping it made a server run with `extra_args: [--x, ""]`
+    # differ from its unit on every run, so each converge restarted it.
+    output[4] = encoded(["/bin/llama-server", "--chat-template", "", "-c", "2048"])
+    assert RunningService().process(output)["cmdline"] == [
+        "/bin/llama-server",
+        "--chat-template",
+        "",
+        "-c",
+        "2048",
+    ]
