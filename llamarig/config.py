@@ -1367,7 +1367,6 @@ DERIVED_CMAKE_OPTIONS = {
     "GGML_CCACHE": "`llama_cpp.ccache`",
 }
 _TOOLKIT_NVCC = re.compile(r"/cuda-(\d+\.\d+)/")
-_LOOPBACK_NAMES = ("localhost", "localhost.")
 
 
 def _contradiction_problems(data: dict) -> list[tuple]:

@@ -11,15 +11,8 @@ import paramiko
 
 from llamarig.config import connection_problems, load_inventory
 from tests.conftest import PROJECT, offline, pyinfra_env
+from tests.test_ssh_trust import RIG  # the same one-host rig, `{SSH}` filled in per test
 
-RIG = """\
-all:
-  hosts:
-    rig1:
-      ssh: {SSH}
-      gpus: [{name: NVIDIA GeForce RTX 3090, vram_mib: 24576, compute_capability: "8.6"}]
-      model: {path: /srv/m.gguf}
-"""
 KEY = paramiko.RSAKey.generate(1024)
 
 
