@@ -1,5 +1,5 @@
 # Two commands for a newcomer on a fresh Debian/Ubuntu machine (as root):
-#   make demo   - virtualenv, sandbox rig, deploy, then an endpoint and a sample completion
+#   make demo   - virtualenv, sandbox rig, deploy, then the endpoint and a real question answered
 #   make test   - everything the tests need, then all tests
 VENV ?= .venv
 PYTHON ?= python3
@@ -17,7 +17,8 @@ $(INSTALLED): pyproject.toml
 demo: $(INSTALLED)
 	$(BIN)/llamarig sandbox up
 	RIG_INVENTORY=inventory/hosts.yml $(BIN)/pyinfra -y inventory.py deploy.py
-	RIG_INVENTORY=inventory/hosts.yml $(BIN)/llamarig complete
+	RIG_INVENTORY=inventory/hosts.yml $(BIN)/llamarig complete --chat --tokens 32 \
+		--prompt "What is the capital of France? Answer in one word."
 
 lint: $(INSTALLED)
 	$(BIN)/ruff check .

@@ -1,21 +1,30 @@
 """llamarig deploy: converge each host of the inventory into a serving llama.cpp rig.
 
 pyinfra inventory.py deploy.py          # RIG_INVENTORY picks the inventory file
+
+The stages run in this order; each returns the operations whose change a later one acts on.
 """
 
-from pyinfra import local
-
-STAGES = (
-    "preflight",
-    "repos",
-    "driver",
-    "kernel_modules",
-    "cuda",
-    "llama_cpp",
-    "model",
-    "server",
-    "verify",
+from tasks import (
+    cuda,
+    driver,
+    kernel_modules,
+    llama_cpp,
+    model,
+    preflight,
+    repos,
+    rpc_worker,
+    server,
+    verify,
 )
 
-for stage in STAGES:
-    local.include(f"tasks/{stage}.py")
+preflight.deploy()
+repos.deploy()
+driver_install = driver.deploy()
+kernel_modules.deploy(reboot_on=driver_install)
+cuda.deploy()
+link = llama_cpp.deploy()
+model_download = model.deploy()
+worker = rpc_worker.deploy(restart_on=[link])
+service = server.deploy(restart_on=[link, *model_download])
+verify.deploy(serving=[*worker, *service])

@@ -20,7 +20,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from llamarig.testmodel import _copy_tokenizer  # noqa: E402
+from llamarig_sandbox.testmodel import copy_tokenizer  # noqa: E402
 
 Q8_0_BLOCK = 32
 Q8_0_BLOCK_BYTES = 34  # an f16 scale, then 32 int8 quants
@@ -97,7 +97,7 @@ def write_model(path: Path, name: str, vocab_gguf: Path, seed: int = 0) -> int:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_dimension_count(shape.n_embd // shape.n_head)
     writer.add_rope_freq_base(500000.0)
-    n_vocab = _copy_tokenizer(writer, GGUFReader(vocab_gguf))
+    n_vocab = copy_tokenizer(writer, GGUFReader(vocab_gguf))
     writer.add_vocab_size(n_vocab)
     tensors = tensor_shapes(shape, n_vocab)
     for tensor_name, ggml_shape in tensors:

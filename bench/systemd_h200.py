@@ -8,7 +8,8 @@ pinned in known_hosts. Then, from the machine itself, as a user would (inventory
 gpu-h200-systemd.yml):
 
 1. the first converge (timed: clone, CUDA build, hardened unit) and a second that must change
-   nothing and keep the same MainPID,
+   nothing and keep the same MainPID; then NOOP_PAIRS no-op converges alternated with a bare
+   `pyinfra exec -- true` (issue 19: the no-op costs at most 2x the connection),
 2. what the unit may open: its DevicePolicy and DeviceAllow against /proc/devices and the
    NVIDIA nodes, the device nodes the serving process holds, and transient units with the same
    device properties (nvidia-smi works, a read of /dev/cpu/0/cpuid is refused, and is not
@@ -52,7 +53,7 @@ from bench import gpu_bench as bench  # noqa: E402
 from llamarig import render  # noqa: E402
 from llamarig.hardware import char_device_groups, device_access_problems  # noqa: E402
 from llamarig.remote import SshTarget  # noqa: E402
-from llamarig.sandbox import hosts_file, known_hosts_line, sshd_dropin  # noqa: E402
+from llamarig_sandbox.sandbox import hosts_file, known_hosts_line, sshd_dropin  # noqa: E402
 
 OUT = bench.OUT
 LOGS = OUT / "logs"
@@ -74,6 +75,9 @@ OTHER_DEVICE = "/dev/cpu/0/cpuid"
 # load: the plan cannot know that a LoRA file on the host is missing.
 BROKEN = ["--lora", "/srv/llamarig/models/no-such-adapter.gguf"]
 LLAMA_BENCH_REPETITIONS = 5
+NOOP_PAIRS = 5
+# BENCH_STEPS=converge: stop after the converges (a short call when device time is short).
+STEPS = os.environ.get("BENCH_STEPS", "all")
 
 results: dict = {"started": bench.now()}
 host_yaml = yaml.safe_load(SHIPPED_RIG.read_text())["all"]["children"]["gpu"]["hosts"][HOST_NAME]
@@ -549,6 +553,55 @@ def verify(inventory: Path, label: str) -> dict:
     }
 
 
+def overheads_and_tune() -> None:
+    """The overhead the deploy recorded after its first start and the plan that uses it; then
+    `llamarig tune` on the rig, the deploy that applies its file and one that changes nothing."""
+    records = in_container(
+        'for f in /var/lib/llamarig/gpu-overheads/*; do echo "${f##*/} $(cat "$f")"; done',
+        check_rc=False,
+    ).stdout.strip()
+    plan = subprocess.run(
+        [sys.executable, "-m", "llamarig.cli", "plan", "--probe"],
+        cwd=ROOT, env=bench.env_for(RIG), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    (LOGS / "plan-after-start.log").write_text(plan.stdout + plan.stderr)
+    notes = [
+        line.strip()
+        for line in plan.stdout.splitlines()
+        if "reserve" in line or "split mode" in line
+    ]
+    results["overheads"] = {"records": records, "plan": notes}
+    check("the deploy recorded what the GPU holds beyond the plan", bool(records), records)
+    check(
+        "the next plan reserves the measured overhead",
+        any("measured on this rig" in n for n in notes),
+        notes,
+    )
+    start = time.monotonic()
+    tune = subprocess.run(
+        [sys.executable, "-m", "llamarig.cli", "tune", "--minutes", "4"],
+        cwd=ROOT, env=bench.env_for(RIG), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    (LOGS / "tune.log").write_text(tune.stdout + tune.stderr)
+    tuned = RIG.parent / "tuned" / f"{HOST_NAME}.yml"
+    results["tune"] = {
+        "rc": tune.returncode,
+        "seconds": round(time.monotonic() - start, 1),
+        "output": tune.stdout[-4000:],
+        "tuned": tuned.read_text() if tuned.exists() else None,
+    }
+    if not check("llamarig tune writes a tuned file", tune.returncode == 0 and tuned.exists()):
+        return
+    applied, _ = deploy(RIG, "converge-tuned.log")
+    again, _ = deploy(RIG, "converge-tuned-again.log")
+    results["tune"].update(applied=applied, again=again)
+    check(
+        "the deploy applies the tuned file and the next one changes nothing",
+        applied["rc"] == 0 and again["rc"] == 0 and again.get("changed") == 0,
+        {"applied": applied.get("changed_ops"), "again": again.get("changed_ops")},
+    )
+
+
 def measure(data: dict, base: str) -> None:
     """Decode through the unit, memory against the plan; then the launcher; then llama-bench."""
     plan = bench.plan_for(data, MODEL)
@@ -660,6 +713,47 @@ def rollback(good: Path, base: str) -> None:
     )
 
 
+def bare_connection(inventory: Path) -> float:
+    """Seconds of `pyinfra -y inventory.py exec -- true`: what any run pays to connect."""
+    start = time.monotonic()
+    subprocess.run(
+        [sys.executable, "-m", "pyinfra", "-y", "inventory.py", "exec", "--", "true"],
+        cwd=ROOT,
+        env=bench.env_for(inventory),
+        capture_output=True,
+        check=True,
+        timeout=300,
+    )
+    return round(time.monotonic() - start, 2)
+
+
+def noop_against_bare(inventory: Path) -> None:
+    """NOOP_PAIRS no-op converges and bare connections, alternating which goes first."""
+    noop, bare, changed = [], [], []
+    for index in range(NOOP_PAIRS):
+        for kind in ("noop", "bare") if index % 2 == 0 else ("bare", "noop"):
+            if kind == "bare":
+                bare.append(bare_connection(inventory))
+                continue
+            entry, _ = deploy(inventory, f"converge-noop-{index}.log")
+            noop.append(entry["seconds"])
+            changed.append(entry.get("changed"))
+    record = {
+        "noop_seconds": noop,
+        "bare_seconds": bare,
+        "noop_median": statistics.median(noop),
+        "bare_median": statistics.median(bare),
+        "changed": changed,
+    }
+    record["ratio"] = round(record["noop_median"] / record["bare_median"], 2)
+    results["noop_against_bare"] = record
+    check(
+        f"no-op converge <= 2x a bare connection (median of {NOOP_PAIRS}, alternated), 0 changes",
+        record["ratio"] <= 2 and changed == [0] * NOOP_PAIRS,
+        {key: record[key] for key in ("noop_median", "bare_median", "ratio", "changed")},
+    )
+
+
 def main() -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     results["machine"] = machine_facts()
@@ -683,6 +777,10 @@ def main() -> int:
         second["rc"] == 0 and second.get("changed") == 0 and second["pid_after"] == pid,
         {"seconds": second["seconds"], "changed": second.get("changed_ops"), "pid": pid},
     )
+    noop_against_bare(RIG)
+    save()
+    if STEPS == "converge":
+        return finish()
     build = in_container("cat /opt/llamarig/current/.llamarig-build.json").stdout
     cache = "/opt/llamarig/current/CMakeCache.txt"
     marker = "/opt/llamarig/current/.llamarig-build.json"
@@ -707,6 +805,11 @@ def main() -> int:
         results["verify"]["counts"],
     )
     try:
+        overheads_and_tune()
+    except Exception as error:  # noqa: BLE001 - recorded, the run goes on
+        check("overheads and tune ran", False, str(error)[-1500:])
+    save()
+    try:
         measure(data, base)
     except Exception as error:  # noqa: BLE001 - recorded, the run goes on
         check("decode and memory measured", False, str(error)[-1500:])
@@ -716,6 +819,10 @@ def main() -> int:
     save()
     good = restart_without_rebuild(base)
     rollback(good, base)
+    return finish()
+
+
+def finish() -> int:
     results["finished"] = bench.now()
     save()
     failed = [c["check"] for c in results["checks"] if not c["ok"]]

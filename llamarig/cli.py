@@ -3,29 +3,54 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shlex
 import sys
+import tempfile
+from pathlib import Path
 
-from llamarig import render
-from llamarig.config import ConfigError, inventory_path, load_inventory
+import yaml
+
+from llamarig import answers, render
+from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
+from llamarig.config.problems import Problem, located
+from llamarig.entry import host_entry, inventory_document, probe, render_entry
 from llamarig.gguf_header import GgufError
+from llamarig.hubref import HubError
+from llamarig.model_lock import resolved
 from llamarig.plan import plan_host
 from llamarig.remote import SshTarget, gather, run_on_host, shell_reader
+from llamarig.shapes import address_problem
+from llamarig.tune import TuneError, tune_host
 from llamarig.verify import verify_host
 
 
-def _plan(args: argparse.Namespace) -> int:
+def _chosen_hosts(args: argparse.Namespace) -> dict[str, HostConfig] | None:
+    """The hosts of RIG_INVENTORY a command acts on: all, or the one ``--host`` names; None,
+    said on stderr, when the inventory has no host of that name."""
     inventory = load_inventory()
     if args.host and args.host not in inventory.hosts:
         print(f"llamarig: no host {args.host!r} in {inventory.path}", file=sys.stderr)
+        return None
+    return {n: h for n, h in inventory.hosts.items() if not args.host or n == args.host}
+
+
+def _plan(args: argparse.Namespace) -> int:
+    hosts = _chosen_hosts(args)
+    if hosts is None:
         return 2
     plans = {}
-    for name, host_config in inventory.hosts.items():
-        if args.host and name != args.host:
-            continue
-        data = host_config.data
+    for name, host_config in hosts.items():
+        try:
+            data = resolved(host_config.data, update=args.update_models or None)
+        except HubError as error:
+            print(
+                f"llamarig: {located(host_config, Problem(error.key_path, error.message))}",
+                file=sys.stderr,
+            )
+            return 2
         # The host is contacted only with --probe; a local host's model file is read in place.
         contact = args.probe or data["ssh"].get("local")
         reader = shell_reader(data) if contact else None
@@ -43,43 +68,43 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _complete(args: argparse.Namespace) -> int:
-    inventory = load_inventory()
+    hosts = _chosen_hosts(args)
+    if hosts is None:
+        return 2
     status = 0
-    for name, host_config in inventory.hosts.items():
-        if args.host and name != args.host:
-            continue
+    for name, host_config in hosts.items():
         data = host_config.data
-        body = json.dumps({"prompt": args.prompt, "n_predict": args.tokens, "temperature": 0})
-        completion = shlex.quote(f"{render.base_url(data)}/completion")
+        path, body = answers.greedy_request(args.prompt, args.chat, args.tokens)
+        url = shlex.quote(render.base_url(data) + path)
         curl = (
             f"curl -sS -f {render.CURL_AUTH} -H 'Content-Type: application/json' "
-            f"-d {shlex.quote(body)} -- {completion}"
+            f"-d {shlex.quote(json.dumps(body))} -- {url}"
         )
         result = run_on_host(data, curl, timeout=None)
         if result.returncode != 0:
             print(f"{name}: completion failed: {result.stderr.strip()}", file=sys.stderr)
             status = 1
             continue
-        answer = json.loads(result.stdout)
-        speed = answer.get("timings", {}).get("predicted_per_second", 0.0)
+        reply = json.loads(result.stdout)
+        speed = reply.get("timings", {}).get("predicted_per_second", 0.0)
+        tokens = (
+            reply.get("usage", {}).get("completion_tokens")
+            if args.chat
+            else reply.get("tokens_predicted")
+        )
+        asked, said = ("question:", "answer:") if args.chat else ("prompt:", "completion:")
         print(f"{name}: endpoint {render.base_url(data)} (on the host)")
-        print(f"  prompt:     {args.prompt!r}")
-        print(f"  completion: {answer['content']!r}")
-        print(f"  {answer.get('tokens_predicted')} tokens at {speed:.1f} tokens/s")
+        print(f"  {asked:<12}{args.prompt!r}")
+        print(f"  {said:<12}{answers.reply_text(args.chat, result.stdout)!r}")
+        print(f"  {tokens} tokens at {speed:.1f} tokens/s (greedy)")
     return status
 
 
 def _verify(args: argparse.Namespace) -> int:
-    inventory = load_inventory()
-    if args.host and args.host not in inventory.hosts:
-        print(f"llamarig: no host {args.host!r} in {inventory.path}", file=sys.stderr)
+    hosts = _chosen_hosts(args)
+    if hosts is None:
         return 2
-    statuses = [
-        verify_host(host_config, args.pytest_args)
-        for name, host_config in inventory.hosts.items()
-        if not args.host or name == args.host
-    ]
-    return max(statuses, default=0)
+    return max((verify_host(h, args.pytest_args, args.rehash) for h in hosts.values()), default=0)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -111,6 +136,88 @@ def _run(args: argparse.Namespace) -> int:
     return 1
 
 
+MODEL_HINT = (
+    "# Add the model under the host (docs/inventory.md): model: {url: URL, sha256: HEX}, "
+    "{path: /srv/models/NAME.gguf}\n# or {hf: ORG/REPO, quant: Q8_0}; `llamarig init --model URL "
+    "--sha256 HEX` also plans the split.\n"
+)
+
+
+def _init(args: argparse.Namespace) -> int:
+    if args.local:
+        ssh: dict = {"local": True}
+    elif args.address:
+        ssh = {"host": args.address, "user": args.user, "port": args.port}
+        ssh.update({k: v for k, v in (("key", args.key), ("known_hosts", args.known_hosts)) if v})
+    else:
+        print("llamarig init: give the box's address (--address HOST) or --local", file=sys.stderr)
+        return 2
+    # The address is checked before any connection, as the inventory's would be.
+    problem = address_problem(args.address, "--port", "--user") if args.address else None
+    if problem:
+        print(f"llamarig init: --address: {problem}", file=sys.stderr)
+        return 2
+    found = probe(shell_reader({"ssh": ssh}))
+    settings = host_entry(ssh, found)
+    if args.model:
+        settings["model"] = {"url": args.model, "sha256": args.sha256}
+    document = inventory_document(args.name, settings)
+    text = render_entry(args.name, found, document)
+    if not args.model:
+        text += MODEL_HINT
+    with tempfile.TemporaryDirectory() as scratch:
+        written = Path(scratch) / "inventory.yml"
+        # Without --model the entry is checked with a stand-in model file, which is not written.
+        checked = copy.deepcopy(document)
+        checked["all"]["children"]["rigs"]["hosts"][args.name].setdefault(
+            "model", {"path": "/srv/models/model.gguf"}
+        )
+        written.write_text(yaml.safe_dump(checked))
+        try:
+            host = load_inventory(written).hosts[args.name]
+        except ConfigError as error:
+            print("llamarig init: the entry is not valid:", file=sys.stderr)
+            for problem in error.problems:
+                print(f"  {problem}", file=sys.stderr)
+            return 2
+        if args.model:
+            plan = plan_host(
+                args.name, host.data, **gather(host.data, None, gpus=False).plan_inputs()
+            )
+            server = plan.resolved["server"]
+            settings["server"] = {"split_mode": server["split_mode"]}
+            if server["tensor_split"]:
+                settings["server"]["tensor_split"] = [round(s, 3) for s in server["tensor_split"]]
+            text = render_entry(args.name, found, document) + "".join(
+                f"# plan: {line}\n" for line in plan.report().splitlines()[1:4]
+            )
+    if args.output:
+        target = Path(args.output)
+        if target.exists() and not args.force:
+            print(f"llamarig init: {target} exists (pass --force to replace it)", file=sys.stderr)
+            return 2
+        target.write_text(text)
+        print(f"llamarig init: wrote {target}", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    hosts = _chosen_hosts(args)
+    if hosts is None:
+        return 2
+    inventory = inventory_path()
+    status = 0
+    for host_config in hosts.values():
+        try:
+            tune_host(host_config, inventory, args.minutes, args.force)
+        except TuneError as error:
+            print(f"llamarig tune: {error}", file=sys.stderr)
+            status = 1
+    return status
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -127,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
         "--probe", action="store_true", help="read the GPUs from the host over SSH"
     )
     plan_parser.add_argument("--json", action="store_true", help="print one JSON object")
+    plan_parser.add_argument(
+        "--update-models",
+        action="store_true",
+        help="resolve Hugging Face references again and rewrite their entries in "
+        "models.lock.yml (else the recorded commits are used)",
+    )
     plan_parser.add_argument("--unit", action="store_true", help="also print unit and env file")
 
     complete_parser = commands.add_parser(
@@ -135,6 +248,12 @@ def main(argv: list[str] | None = None) -> int:
     complete_parser.add_argument("--host", help="only this host")
     complete_parser.add_argument("--prompt", default="The llama is an animal that")
     complete_parser.add_argument("--tokens", type=int, default=16)
+    complete_parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="ask the prompt as a user's message through the model's chat template "
+        "(/v1/chat/completions)",
+    )
 
     verify_parser = commands.add_parser(
         "verify",
@@ -143,7 +262,47 @@ def main(argv: list[str] | None = None) -> int:
     )
     verify_parser.add_argument("--host", help="only this host")
     verify_parser.add_argument(
+        "--rehash",
+        action="store_true",
+        help="hash every model file, even one that a checksum record says is unchanged since "
+        "the deploy hashed it",
+    )
+    verify_parser.add_argument(
         "pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k service"
+    )
+
+    init_parser = commands.add_parser(
+        "init",
+        help="probe a box over SSH (nvidia-smi, else PCI ids) and write its inventory entry: "
+        "the GPUs in bus order with bus ids, suggested driver and CUDA sources",
+    )
+    init_parser.add_argument("name", help="the host's name in the inventory")
+    init_parser.add_argument("--address", help="the box's address (ssh.host)")
+    init_parser.add_argument("--user", default="root")
+    init_parser.add_argument("--port", type=int, default=22)
+    init_parser.add_argument("--key", help="ssh private key file")
+    init_parser.add_argument("--known-hosts", help="known_hosts file holding the box's key")
+    init_parser.add_argument("--local", action="store_true", help="this machine, no ssh")
+    init_parser.add_argument("--model", help="the model's URL (with --sha256): plans the split")
+    init_parser.add_argument("--sha256", help="the model's sha256")
+    init_parser.add_argument("--output", help="write the inventory here (default stdout)")
+    init_parser.add_argument("--force", action="store_true", help="replace --output")
+
+    tune_parser = commands.add_parser(
+        "tune",
+        help="measure the configurations that fit on each host with its deployed llama-bench "
+        "(split mode and ratio, micro-batch, threads) and write the fastest to "
+        "inventory/tuned/HOST.yml, which the next deploy serves; stops the service meanwhile",
+    )
+    tune_parser.add_argument("--host", help="only this host")
+    tune_parser.add_argument(
+        "--minutes",
+        type=float,
+        default=10,
+        help="time bound of the sweep (default 10); a later run resumes it",
+    )
+    tune_parser.add_argument(
+        "--force", action="store_true", help="stop the service even while it serves a request"
     )
 
     run_parser = commands.add_parser(
@@ -165,12 +324,20 @@ def main(argv: list[str] | None = None) -> int:
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sandbox"]:
-        from llamarig import sandbox
+        # The test rig is a package of its own (llamarig_sandbox): imported only when asked for.
+        from llamarig_sandbox import sandbox
 
-        return sandbox.main(argv[1:])
+        return sandbox.main(argv[1:], prog="llamarig sandbox")
     args = parser.parse_args(argv)
     try:
-        commands_by_name = {"plan": _plan, "complete": _complete, "verify": _verify, "run": _run}
+        commands_by_name = {
+            "plan": _plan,
+            "complete": _complete,
+            "verify": _verify,
+            "run": _run,
+            "tune": _tune,
+            "init": _init,
+        }
         return commands_by_name[args.command](args)
     except ConfigError as error:
         print("llamarig: the rig configuration is not valid:", file=sys.stderr)

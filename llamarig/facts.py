@@ -9,6 +9,7 @@ import shlex
 
 from pyinfra.api import FactBase
 
+from llamarig import checksums
 from llamarig.render import BUILD_COMPLETE_MARKER, CURL_AUTH
 
 
@@ -104,19 +105,22 @@ class FirmwareBoot(FactBase):
     EFIVAR = "/sys/firmware/efi/efivars/SecureBoot-8be4df61-93ca-11d2-aa0d-00e098032b8c"
 
     def command(self) -> str:
+        # mokutil --sb-state answers where the variable cannot be read (an efivarfs that
+        # hides it), and says "SecureBoot enabled" / "SecureBoot disabled".
         return (
             "if [ -d /sys/firmware/efi ]; then echo uefi; else echo bios; fi; "
             f"if [ -r {self.EFIVAR} ]; then od -An -t u1 -j 4 -N 1 {self.EFIVAR}; "
+            "elif command -v mokutil >/dev/null 2>&1; then "
+            "mokutil --sb-state 2>/dev/null | grep -o -m1 'SecureBoot [a-z]*' || echo unknown; "
             "else echo unknown; fi"
         )
 
     def process(self, output):
         lines = [line.strip() for line in output]
         state = lines[1] if len(lines) > 1 else "unknown"
-        return {
-            "uefi": lines[0] == "uefi",
-            "secure_boot": None if state == "unknown" else state == "1",
-        }
+        states = {"1": True, "0": False, "SecureBoot enabled": True, "SecureBoot disabled": False}
+        secure_boot = states.get(state)
+        return {"uefi": lines[0] == "uefi", "secure_boot": secure_boot}
 
 
 class JsonFile(FactBase):
@@ -148,6 +152,44 @@ class FileSha256(FactBase):
     def process(self, output):
         digest = "".join(output).split(" ", 1)[0].strip()
         return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
+
+
+class RecordedSha256(FactBase):
+    """The sha256 an earlier check recorded for a file, while the file is unchanged since
+    (``llamarig.checksums``); reads the file's identity and its record, never the file.
+
+    None when there is no regular file; else ``{"sha256": DIGEST}``, or ``{"sha256": None}``
+    when there is no record, or the file's identity (device, inode, size, mtime, ctime) is no
+    longer the recorded one.
+
+    .. code:: python
+
+        {"sha256": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
+    """
+
+    def command(self, path: str, records: str = checksums.RECORD_DIRECTORY) -> str:
+        return checksums.read_command(path, records)
+
+    def process(self, output):
+        return checksums.trusted_sha256(list(output))
+
+
+class FileIdentity(FactBase):
+    """A regular file's identity (device, inode, size, mtime and ctime with nanoseconds,
+    ``llamarig.checksums.IDENTITY_FORMAT``), or None when there is none; reads no byte of it.
+
+    .. code:: python
+
+        "2049 1835012 8540775808 1764590400.123456789 1764590400.223456789"
+    """
+
+    def command(self, path: str) -> str:
+        quoted = shlex.quote(path)
+        return f"if [ -f {quoted} ]; then {checksums.identity_command(path)}; fi"
+
+    def process(self, output):
+        line = " ".join(output).strip()
+        return line or None
 
 
 class ServerProbe(FactBase):
@@ -226,6 +268,9 @@ class BuildDirectories(FactBase):
         ["0c1e57098bba-1a2b3c4d5e", "b8f2e1a0c9d7-5e4d3c2b1a"]
     """
 
+    # A fresh host has no builds directory: empty output, and pyinfra then takes the default.
+    default = list
+
     def command(self, path: str) -> str:
         quoted = shlex.quote(path)
         return (
@@ -283,3 +328,425 @@ class RunningService(FactBase):
             "environ": dict(item.split("=", 1) for item in nul_list(environ) if "=" in item),
             "model_mtime": int(model_mtime),
         }
+
+
+class MeasuredOverheads(FactBase):
+    """The per-GPU overheads the deploy measured after starting each build in each split mode
+    (files ``BUILD.MODE`` in ``path``, each the MiB beyond llama.cpp's buffers per used GPU).
+
+    .. code:: python
+
+        {("0c1e57098bba-1a2b3c4d5e", "tensor"): [1907, 1907]}
+    """
+
+    default = dict
+
+    def command(self, path: str) -> str:
+        quoted = shlex.quote(path)
+        return (
+            f'for f in {quoted}/*.*; do [ -f "$f" ] && echo "${{f##*/}} $(head -c 200 "$f")"; '
+            "done; true"
+        )
+
+    def process(self, output: list[str]) -> dict:
+        found = {}
+        for line in output:
+            name, _, values = line.partition(" ")
+            build, _, mode = name.rpartition(".")
+            try:
+                found[(build, mode)] = [int(value) for value in values.split()]
+            except ValueError:
+                continue  # a file llamarig did not write: ignored, never trusted
+        return found
+
+
+class DkmsSigning(FactBase):
+    """How DKMS signs the modules it builds: the key pair its configuration names
+    (``mok_signing_key``/``mok_certificate`` in /etc/dkms/framework.conf and framework.conf.d,
+    the last one wins; /var/lib/dkms/mok.key and mok.pub by default), whether they exist, and
+    whether the certificate is enrolled as a Machine Owner Key (``mokutil --test-key``).
+
+    .. code:: python
+
+        {"key": "/var/lib/dkms/mok.key", "certificate": "/var/lib/dkms/mok.pub",
+         "key_exists": True, "certificate_exists": True, "enrollment": "pending"}
+    """
+
+    def default(self):
+        # pyinfra gives the default, not process(), when the command prints nothing.
+        return self.process([])
+
+    def command(self) -> str:
+        # The assignments only, not the files sourced: they are shell that dkms itself runs.
+        return (
+            "for f in /etc/dkms/framework.conf /etc/dkms/framework.conf.d/*.conf; do "
+            '[ -f "$f" ] && grep -h -E "^[[:space:]]*(mok_signing_key|mok_certificate)=" "$f"; '
+            "done; true"
+        )
+
+    def process(self, output):
+        from llamarig.secureboot import MOK_CERTIFICATE, MOK_KEY
+
+        values = {"mok_signing_key": MOK_KEY, "mok_certificate": MOK_CERTIFICATE}
+        for line in output:
+            name, _, value = line.strip().partition("=")
+            values[name] = value.split("#", 1)[0].strip().strip("\"'")
+        return {"key": values["mok_signing_key"], "certificate": values["mok_certificate"]}
+
+
+class MokKeyState(FactBase):
+    """Whether the key pair exists (the key's mode too: it must be root's alone) and what
+    ``mokutil --test-key`` says of the certificate: enrolled, pending (queued by
+    ``mokutil --import``, not yet confirmed at the console), not-enrolled, or unknown (no
+    mokutil, no certificate, or no EFI variables).
+
+    .. code:: python
+
+        {"key_exists": True, "key_mode": "600", "certificate_exists": True,
+         "enrollment": "not-enrolled"}
+    """
+
+    def default(self):
+        # pyinfra gives the default, not process(), when the command prints nothing.
+        return self.process([])
+
+    def command(self, key: str, certificate: str) -> str:
+        key, certificate = shlex.quote(key), shlex.quote(certificate)
+        return (
+            f"if [ -f {key} ]; then echo key $(stat -c %a {key}); else echo key -; fi; "
+            f"if [ -f {certificate} ]; then echo certificate yes; else echo certificate -; fi; "
+            f"if [ -f {certificate} ] && command -v mokutil >/dev/null 2>&1; then "
+            f"echo test $(mokutil --test-key {certificate} 2>&1 | head -1); fi; true"
+        )
+
+    def process(self, output):
+        fields = dict(line.strip().split(" ", 1) for line in output if " " in line.strip())
+        answer = fields.get("test", "")
+        if "already enrolled" in answer:
+            enrollment = "enrolled"
+        elif "enrollment request" in answer:
+            enrollment = "pending"
+        elif "not enrolled" in answer:
+            enrollment = "not-enrolled"
+        else:
+            enrollment = "unknown"
+        key_mode = fields.get("key", "-")
+        return {
+            "key_exists": key_mode != "-",
+            "key_mode": None if key_mode == "-" else key_mode,
+            "certificate_exists": fields.get("certificate") == "yes",
+            "enrollment": enrollment,
+        }
+
+
+NVIDIA_MODULE_NAMES = ("nvidia", "nvidia-current", "nvidia-current-open")
+
+
+class NvidiaModule(FactBase):
+    """The nvidia kernel module: whether one is installed for the running kernel, its signer
+    (``modinfo -F signer``, empty when unsigned) and whether it is loaded.
+
+    .. code:: python
+
+        {"present": True, "signer": "llamarig DKMS module signing key", "loaded": False}
+    """
+
+    def default(self):
+        # pyinfra gives the default, not process(), when the command prints nothing.
+        return self.process([])
+
+    def command(self) -> str:
+        # Debian's packages name the module nvidia-current, its open one nvidia-current-open.
+        names = " ".join(NVIDIA_MODULE_NAMES)
+        loaded = " || ".join(
+            f"[ -d /sys/module/{name.replace('-', '_')} ]" for name in NVIDIA_MODULE_NAMES
+        )
+        return (
+            f"for m in {names}; do "
+            "modinfo -F filename $m >/dev/null 2>&1 || continue; echo present; "
+            "echo signer=$(modinfo -F signer $m 2>/dev/null); break; done; "
+            f"{{ {loaded}; }} && echo loaded; true"
+        )
+
+    def process(self, output):
+        lines = [line.strip() for line in output]
+        signer = next((line[7:] for line in lines if line.startswith("signer=")), "")
+        return {"present": "present" in lines, "signer": signer, "loaded": "loaded" in lines}
+
+
+class AptCandidates(FactBase):
+    """The version apt would install of each package, None where it has none (not in the
+    lists, or only a virtual name).
+
+    .. code:: python
+
+        {"linux-modules-nvidia-580-open-generic": "6.8.0-50.51", "nvidia-utils-580": None}
+    """
+
+    def default(self):
+        # pyinfra gives the default, not process(), when the command prints nothing.
+        return self.process([])
+
+    def command(self, packages: list[str]) -> str:
+        return "".join(
+            f"printf '%s ' {shlex.quote(package)}; "
+            f"apt-cache policy {shlex.quote(package)} 2>/dev/null "
+            "| sed -n 's/^ *Candidate: //p' | head -1; echo; "
+            for package in packages
+        )
+
+    def process(self, output):
+        candidates = {}
+        for line in output:
+            name, _, version = line.strip().partition(" ")
+            if name:
+                version = version.strip()
+                candidates[name] = None if version in ("", "(none)") else version
+        return candidates
+
+
+class NvccVersion(FactBase):
+    """The CUDA toolkit version of ``path`` (``nvcc --version``'s release), or None.
+
+    .. code:: python
+
+        "13.0"
+    """
+
+    def command(self, path: str = "/usr/local/cuda/bin/nvcc") -> str:
+        release = r"s/.*release \([0-9.]*\),.*/\1/p"
+        return f"{shlex.quote(path)} --version 2>/dev/null | sed -n '{release}'; true"
+
+    def process(self, output: list[str]) -> str | None:
+        version = output[0].strip() if output else ""
+        return version if re.fullmatch(r"\d+\.\d+", version) else None
+
+
+class PackageVersions(FactBase):
+    """The installed version of each of ``packages`` (``dpkg-query`` of those names only, not a
+    listing of the whole system), None where it is not installed (or only its configuration
+    files are left).
+
+    + packages: the package names
+
+    .. code:: python
+
+        {"cmake": "3.31.6-2", "ninja-build": None}
+    """
+
+    def default(self):
+        # pyinfra gives the default, not process(), when the command prints nothing.
+        return {}
+
+    def command(self, packages: list[str]) -> str:
+        names = " ".join(shlex.quote(package) for package in packages)
+        # Unknown names make dpkg-query exit 1 after printing the known ones.
+        show = "'${Package} ${db:Status-Abbrev} ${Version}\\n'"
+        return f"dpkg-query -W -f={show} -- {names} 2>/dev/null; true"
+
+    def process(self, output: list[str]) -> dict[str, str | None]:
+        versions: dict[str, str | None] = {}
+        for line in output:
+            fields = line.split()
+            if len(fields) == 3 and fields[1] in ("ii", "hi"):
+                versions[fields[0].split(":", 1)[0]] = fields[2]
+            elif fields:
+                versions.setdefault(fields[0].split(":", 1)[0], None)
+        return versions
+
+
+UNIT_PROPERTIES = ("Id", "ActiveState", "SubState", "UnitFileState", "NeedDaemonReload")
+
+
+class UnitState(FactBase):
+    """One systemd unit's state (``systemctl show -p ...`` of that unit only, not of ``*``).
+
+    + unit: the unit name, e.g. ``llama-server.service``
+
+    .. code:: python
+
+        {"active": True, "sub_state": "running", "enabled": True, "need_daemon_reload": False}
+    """
+
+    def default(self):
+        # pyinfra gives the default, not process(), when the command prints nothing.
+        return self.process([])
+
+    def command(self, unit: str) -> str:
+        properties = " ".join(f"-p {name}" for name in UNIT_PROPERTIES)
+        return f"systemctl show {properties} -- {shlex.quote(unit)} 2>/dev/null; true"
+
+    def process(self, output: list[str]) -> dict:
+        values = dict(line.strip().split("=", 1) for line in output if "=" in line)
+        sub_state = values.get("SubState", "")
+        return {
+            # pyinfra's SystemdStatus counts these sub-states as running.
+            "active": sub_state in ("running", "waiting", "exited", "listening", "mounted"),
+            "sub_state": sub_state,
+            "enabled": values.get("UnitFileState", "") in ("enabled", "static"),
+            "need_daemon_reload": values.get("NeedDaemonReload") == "yes",
+        }
+
+
+class FileState(FactBase):
+    """A small file's mode and sha256 in one command (a unit, an environment file, a launcher);
+    None when there is no regular file. Not for model-size files: it hashes the whole file.
+
+    + path: absolute path
+
+    .. code:: python
+
+        {"mode": 644, "sha256": "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"}
+    """
+
+    def command(self, path: str) -> str:
+        quoted = shlex.quote(path)
+        return f"if [ -f {quoted} ]; then stat -c %a {quoted}; sha256sum < {quoted}; fi"
+
+    def process(self, output: list[str]) -> dict | None:
+        lines = [line.strip() for line in output]
+        if len(lines) < 2 or not lines[0].isdigit():
+            return None
+        digest = lines[1].split(" ", 1)[0]
+        if not re.fullmatch(r"[0-9a-f]{64}", digest):
+            return None
+        return {"mode": int(lines[0]), "sha256": digest}
+
+
+BATCH_MARK = "@@llamarig-fact"
+
+
+class Batch(FactBase):
+    """Several facts' commands in one round trip, each in its own subshell; their output lines
+    by request, for each fact's own ``process()`` (``parse_one``). A command that fails is left
+    out, so the caller reads that fact on its own and pyinfra reports the failure as usual.
+    Use it through ``prefetch``.
+
+    + requests: ``(FactClass, ((argument, value), ...))`` pairs
+
+    .. code:: python
+
+        {0: ["644", "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e  -"]}
+    """
+
+    default = dict
+
+    def command(self, requests: tuple) -> str:
+        parts = []
+        for index, (fact_class, arguments) in enumerate(requests):
+            fact = fact_class()
+            command = fact.command(**dict(arguments))
+            command = getattr(command, "get_raw_value", lambda c=command: c)()
+            required = fact.requires_command(**dict(arguments))
+            if required:
+                required = getattr(required, "get_raw_value", lambda r=required: r)()
+                command = (
+                    f"if command -v {required} >/dev/null 2>&1; then ( {command} ); "
+                    f"else echo {BATCH_MARK}-missing; fi"
+                )
+            parts.append(f"echo '{BATCH_MARK} {index}'; ( {command}\n); echo \"{BATCH_MARK} $?\"")
+        return "\n".join(parts)
+
+    def process(self, output: list[str]) -> dict[int, list[str]]:
+        outputs: dict[int, list[str]] = {}
+        index, lines = None, []
+        for line in output:
+            if not line.startswith(BATCH_MARK + " "):
+                if index is not None:
+                    lines.append(line)
+            elif index is None:
+                index, lines = int(line.split()[1]), []
+            else:
+                if line.split()[1] == "0":
+                    outputs[index] = lines
+                index = None
+        return outputs
+
+
+def parse_one(fact_class, arguments: dict, lines: list[str]):
+    """One fact's value from its output lines, as pyinfra makes it (the default when there
+    are none, or when its required command is missing)."""
+    fact = fact_class()
+    fact.command(**arguments)  # some facts keep what their command chose (a marker)
+    if not lines or lines == [f"{BATCH_MARK}-missing"]:
+        return fact.default()
+    return fact.process(lines)
+
+
+# Facts read in this run, per host: valid until an operation runs a command on any host (hosts
+# of one machine see each other's changes). pyinfra 3 keeps no fact cache: every read is a
+# round trip, and a stage's fact read while planning is read again when its operation runs.
+_known: dict[str, tuple[int, dict]] = {}
+
+
+def _commands_run(state) -> int:
+    """How many operations have run a command so far, on every host."""
+    return sum(
+        1
+        for each in state.inventory
+        for op_hash in each.op_hash_order
+        if op_hash in state.ops.get(each, {}) and state.ops[each][op_hash].operation_meta.executed
+    )
+
+
+def _cache(host, state) -> dict:
+    runs = _commands_run(state)
+    seen, values = _known.get(host.name, (-1, {}))
+    if seen != runs:
+        values = {}
+        _known[host.name] = (runs, values)
+    return values
+
+
+def _key(fact_class, arguments: dict) -> tuple:
+    return (fact_class, tuple(sorted((name, repr(value)) for name, value in arguments.items())))
+
+
+def known(fact_class, **arguments):
+    """``host.get_fact(fact_class, **arguments)``, read once while nothing has changed."""
+    from pyinfra import host, state
+
+    values = _cache(host, state)
+    key = _key(fact_class, arguments)
+    if key not in values:
+        values[key] = host.get_fact(fact_class, **arguments)
+    return values[key]
+
+
+def prefetch(requests: list[tuple[type, dict]]) -> None:
+    """Read the facts of ``requests`` (``(FactClass, arguments)``) that are not known yet in
+    one round trip, for ``known`` to answer from."""
+    from pyinfra import host, state
+
+    values = _cache(host, state)
+    missing = [(cls, args) for cls, args in requests if _key(cls, args) not in values]
+    if not missing:
+        return
+    batch = tuple((cls, tuple(sorted(args.items()))) for cls, args in missing)
+    outputs = host.get_fact(Batch, requests=batch)
+    for index, (cls, args) in enumerate(missing):
+        if index in outputs:
+            values[_key(cls, args)] = parse_one(cls, args, outputs[index])
+
+
+APT_UPDATE_STAMP = "/var/lib/apt/periodic/update-success-stamp"
+
+
+class AptListsAge(FactBase):
+    """Seconds since the last ``apt-get update`` that touched the stamp pyinfra's
+    ``apt.update(cache_time=...)`` keeps, by the host's clock; None when there is no stamp.
+
+    .. code:: python
+
+        1234
+    """
+
+    def command(self) -> str:
+        return (
+            f"if [ -e {APT_UPDATE_STAMP} ]; then "
+            f"echo $(( $(date +%s) - $(stat -c %Y {APT_UPDATE_STAMP}) )); fi"
+        )
+
+    def process(self, output: list[str]) -> int | None:
+        text = "".join(output).strip()
+        return int(text) if re.fullmatch(r"-?\d+", text) else None

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -46,46 +48,20 @@ class GgmlType:
     type_size: int
 
 
-_QK_K = 256
-# ggml_type id -> block size and bytes per block, as gguf-py's GGML_QUANT_SIZES and the
-# static_asserts of ggml/src/ggml-common.h state them at the pinned commit.
-GGML_TYPES: dict[int, GgmlType] = {
-    0: GgmlType("F32", 1, 4),
-    1: GgmlType("F16", 1, 2),
-    2: GgmlType("Q4_0", 32, 2 + 16),
-    3: GgmlType("Q4_1", 32, 2 + 2 + 16),
-    6: GgmlType("Q5_0", 32, 2 + 4 + 16),
-    7: GgmlType("Q5_1", 32, 2 + 2 + 4 + 16),
-    8: GgmlType("Q8_0", 32, 2 + 32),
+# Where gguf 0.19.0 and the pinned ggml disagree, ggml's type_traits (ggml/src/ggml.c) and the
+# static_asserts of ggml/src/ggml-common.h win; test_gguf_header checks the merged table against
+# that source, so a new pin or a new gguf that changes either side fails there.
+GGML_OVERRIDES: dict[int, GgmlType] = {
+    # block_q8_1 is two ggml_half and 32 quants (ggml-common.h:258-269); gguf-py counts two
+    # f32 (4 + 4 + 32 = 40).
     9: GgmlType("Q8_1", 32, 2 + 2 + 32),
-    10: GgmlType("Q2_K", _QK_K, 2 + 2 + _QK_K // 16 + _QK_K // 4),
-    11: GgmlType("Q3_K", _QK_K, 2 + _QK_K // 4 + _QK_K // 8 + 12),
-    12: GgmlType("Q4_K", _QK_K, 2 + 2 + _QK_K // 2 + 12),
-    13: GgmlType("Q5_K", _QK_K, 2 + 2 + _QK_K // 2 + _QK_K // 8 + 12),
-    14: GgmlType("Q6_K", _QK_K, 2 + _QK_K // 2 + _QK_K // 4 + _QK_K // 16),
-    15: GgmlType("Q8_K", _QK_K, 4 + _QK_K + _QK_K // 8),
-    16: GgmlType("IQ2_XXS", _QK_K, 2 + _QK_K // 4),
-    17: GgmlType("IQ2_XS", _QK_K, 2 + _QK_K // 4 + _QK_K // 32),
-    18: GgmlType("IQ3_XXS", _QK_K, 2 + _QK_K // 4 + _QK_K // 8),
-    19: GgmlType("IQ1_S", _QK_K, 2 + _QK_K // 8 + _QK_K // 16),
-    20: GgmlType("IQ4_NL", 32, 2 + 16),
-    21: GgmlType("IQ3_S", _QK_K, 2 + _QK_K // 4 + _QK_K // 8 + _QK_K // 32 + 4),
-    22: GgmlType("IQ2_S", _QK_K, 2 + _QK_K // 4 + _QK_K // 16),
-    23: GgmlType("IQ4_XS", _QK_K, 2 + 2 + _QK_K // 2 + _QK_K // 64),
-    24: GgmlType("I8", 1, 1),
-    25: GgmlType("I16", 1, 2),
-    26: GgmlType("I32", 1, 4),
-    27: GgmlType("I64", 1, 8),
-    28: GgmlType("F64", 1, 8),
-    29: GgmlType("IQ1_M", _QK_K, _QK_K // 8 + _QK_K // 16 + _QK_K // 32),
-    30: GgmlType("BF16", 1, 2),
-    34: GgmlType("TQ1_0", _QK_K, 2 + 4 * 13),
-    35: GgmlType("TQ2_0", _QK_K, 2 + 64),
-    39: GgmlType("MXFP4", 32, 1 + 16),
-    40: GgmlType("NVFP4", 64, 4 + 32),
-    41: GgmlType("Q1_0", 128, 2 + 16),
-    42: GgmlType("Q2_0", 64, 2 + 16),
+    # GGML_TYPE_Q2_0 = 42 (ggml.h:432, ggml-common.h:187-192) is newer than gguf 0.19.0.
+    42: GgmlType("Q2_0", 64, 2 + 64 // 4),
 }
+# ggml_type id -> block size and bytes per block.
+GGML_TYPES: dict[int, GgmlType] = {
+    int(quant): GgmlType(quant.name, *GGML_QUANT_SIZES[quant]) for quant in GGMLQuantizationType
+} | GGML_OVERRIDES
 GGML_TYPE_IDS: dict[str, int] = {t.name.lower(): type_id for type_id, t in GGML_TYPES.items()}
 
 
@@ -127,6 +103,16 @@ class TensorInfo:
         for dim in self.shape:
             n *= dim
         return n
+
+
+# ssm.* dimensions the planner reads (llama-hparams.cpp n_embd_r / n_embd_s).
+_SSM_KEYS = ("conv_kernel", "inner_size", "state_size", "group_count", "time_step_rank")
+
+
+def _ssm_dimension(name: str) -> property:
+    """A header property: ``<architecture>.ssm.<name>``, 0 in a model without that key."""
+    assert name in _SSM_KEYS, name  # _shape_problem checks exactly these
+    return property(lambda header: int(header.arch_value(f"ssm.{name}", 0)))
 
 
 @dataclass(frozen=True)
@@ -241,25 +227,11 @@ class GgufHeader:
             raise GgufError(f"{self.source}: vocabulary size unknown")
         return embd.shape[1]
 
-    @property
-    def ssm_conv_kernel(self) -> int:
-        return int(self.arch_value("ssm.conv_kernel", 0))
-
-    @property
-    def ssm_inner_size(self) -> int:
-        return int(self.arch_value("ssm.inner_size", 0))
-
-    @property
-    def ssm_state_size(self) -> int:
-        return int(self.arch_value("ssm.state_size", 0))
-
-    @property
-    def ssm_group_count(self) -> int:
-        return int(self.arch_value("ssm.group_count", 0))
-
-    @property
-    def ssm_time_step_rank(self) -> int:
-        return int(self.arch_value("ssm.time_step_rank", 0))
+    ssm_conv_kernel = _ssm_dimension("conv_kernel")
+    ssm_inner_size = _ssm_dimension("inner_size")
+    ssm_state_size = _ssm_dimension("state_size")
+    ssm_group_count = _ssm_dimension("group_count")
+    ssm_time_step_rank = _ssm_dimension("time_step_rank")
 
     @property
     def total_tensor_bytes(self) -> int:
@@ -349,10 +321,6 @@ class GgufHeader:
         return None
 
 
-# ssm.* dimensions the planner reads (llama-hparams.cpp n_embd_r / n_embd_s).
-_SSM_KEYS = ("conv_kernel", "inner_size", "state_size", "group_count", "time_step_rank")
-
-
 def _shown(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -362,21 +330,20 @@ def _per_layer(value: int | list[int], layer: int) -> int:
     return int(value[layer]) if isinstance(value, list) else int(value)
 
 
+# struct formats of the fixed-size value types (GGUF_TYPE_SIZE in ggml/src/gguf.cpp)
 _SCALAR_FORMATS = {
-    0: "B",  # uint8
-    1: "b",  # int8
-    2: "H",  # uint16
-    3: "h",  # int16
-    4: "I",  # uint32
-    5: "i",  # int32
-    6: "f",  # float32
-    7: "?",  # bool
-    10: "Q",  # uint64
-    11: "q",  # int64
-    12: "d",  # float64
+    GGUFValueType.UINT8: "B",
+    GGUFValueType.INT8: "b",
+    GGUFValueType.UINT16: "H",
+    GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I",
+    GGUFValueType.INT32: "i",
+    GGUFValueType.FLOAT32: "f",
+    GGUFValueType.BOOL: "?",
+    GGUFValueType.UINT64: "Q",
+    GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT64: "d",
 }
-_STRING = 8
-_ARRAY = 9
 
 
 class _Reader:
@@ -436,9 +403,9 @@ class _Reader:
             return raw.decode("utf-8", errors="surrogateescape")
 
     def value(self, value_type: int, what: str) -> Any:
-        if value_type == _STRING:
+        if value_type == GGUFValueType.STRING:
             return self.string(what)
-        if value_type == _ARRAY:
+        if value_type == GGUFValueType.ARRAY:
             item_type = self.u32(f"the item type of {what}")
             count = self.u64(f"the item count of {what}")
             if count > MAX_ARRAY_ITEMS:
@@ -517,6 +484,43 @@ def _read_tensor_infos(reader: _Reader, n_tensors: int, label: str) -> Iterator[
         for dim in shape[1:]:
             n_bytes *= dim
         yield TensorInfo(name, tuple(shape), type_id, n_bytes, offset)
+
+
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+
+
+def merge_split(headers: list[GgufHeader]) -> GgufHeader:
+    """One header for a split model from its shards' headers, in order: the first shard's
+    metadata (gguf-split writes the model's keys there, and only the split keys in the
+    others) with every shard's tensors. Raises GgufError naming the shard whose split keys
+    disagree with the set: its number, the count, or the total of tensors."""
+    if len(headers) == 1 and SPLIT_COUNT not in headers[0].metadata:
+        return headers[0]
+    count = len(headers)
+    tensors: list[TensorInfo] = []
+    for index, header in enumerate(headers):
+        meta = header.metadata
+        found = (meta.get(SPLIT_NO), meta.get(SPLIT_COUNT), meta.get(SPLIT_TENSORS))
+        expected = (index, count, headers[0].metadata.get(SPLIT_TENSORS))
+        if found != expected:
+            raise GgufError(
+                f"{header.source}: its split keys are {SPLIT_NO}={found[0]}, "
+                f"{SPLIT_COUNT}={found[1]}, {SPLIT_TENSORS}={found[2]}, but as shard "
+                f"{index + 1} of {count} it must have {expected[0]}, {expected[1]}, "
+                f"{expected[2]}: the shards are not one gguf-split set (download them again)"
+            )
+        tensors += header.tensors
+    declared = headers[0].metadata.get(SPLIT_TENSORS)
+    if declared != len(tensors) or len({t.name for t in tensors}) != len(tensors):
+        raise GgufError(
+            f"{headers[0].source}: {SPLIT_TENSORS} is {declared}, but the {count} shards hold "
+            f"{len(tensors)} tensors ({len({t.name for t in tensors})} distinct names): the "
+            "set is incomplete or mixed (download the shards again)"
+        )
+    first = headers[0]
+    return GgufHeader(
+        first.version, first.metadata, tensors, first.data_offset, first.alignment, first.source
+    )
 
 
 def read_gguf_header_file(path: str | Path) -> GgufHeader:

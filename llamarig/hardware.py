@@ -6,6 +6,7 @@ One table per fact family; the functions below only look things up in them.
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import Enum
 from fnmatch import fnmatchcase
 
 
@@ -119,6 +120,31 @@ PCI_DEVICES: dict[int, GpuModel] = {
 }
 
 
+# Memory bandwidth in GB/s from NVIDIA's data sheets, by the name nvidia-smi reports (a suffix
+# match, so "NVIDIA GeForce RTX 3090" finds "RTX 3090"): the decode roofline of `llamarig tune`.
+MEMORY_BANDWIDTH_GBS = {
+    "RTX 3090": 936,
+    "RTX 3090 Ti": 1008,
+    "RTX 4090": 1008,
+    "RTX 4080": 717,
+    "RTX 5090": 1792,
+    "RTX 5080": 960,
+    "RTX 5070 Ti": 896,
+    "A100 SXM4 80GB": 2039,
+    "A100-SXM4-80GB": 2039,
+    "H100 80GB HBM3": 3350,
+    "H100 SXM5 80GB": 3350,
+    "H200": 4800,
+    "L40S": 864,
+}
+
+
+def memory_bandwidth_gbs(name: str) -> int | None:
+    """The data-sheet memory bandwidth of a GPU by its name, or None when llamarig lacks it."""
+    matches = [key for key in MEMORY_BANDWIDTH_GBS if name.endswith(key)]
+    return MEMORY_BANDWIDTH_GBS[max(matches, key=len)] if matches else None
+
+
 def gpu_from_pci_id(device_id: int | str) -> GpuModel | None:
     """The GPU for an NVIDIA PCI device id: ``0x2204``, ``"2204"`` or lspci's ``"10de:2204"``."""
     if isinstance(device_id, str):
@@ -196,6 +222,80 @@ def toolkit_driver_floor(cuda_version: str) -> str | None:
     return TOOLKIT_DRIVER_FLOORS[max(floors, key=parse_version)] if floors else None
 
 
+class Shortfall(Enum):
+    """What keeps a driver/toolkit choice from serving a rig's GPUs."""
+
+    UNKNOWN_CAPABILITY = "a compute capability newer than ARCHITECTURE_FLOORS"
+    CUDA_TOO_OLD = "the toolkit cannot build for an architecture"
+    CUDA_DROPPED = "the toolkit dropped an architecture"
+    DRIVER_TOO_OLD = "the driver is below a floor"
+    NEEDS_OPEN_MODULES = "Blackwell with the proprietary kernel modules"
+    OPEN_NEEDS_TURING = "the open kernel modules on a GPU before Turing"
+    DISTRO_DRIVER = "the distribution's driver for Blackwell"
+    DISTRO_TOOLKIT = "the distribution's toolkit for Blackwell"
+
+
+@dataclass(frozen=True)
+class VersionFinding:
+    """One shortfall, as data: the plan, the driver stage and the rig checks word it for what
+    they probed, the config loader with the key path to fix."""
+
+    kind: Shortfall
+    capabilities: tuple[str, ...]  # the compute capabilities it concerns (none: the toolkit's)
+    needed: str = ""  # the version that would do: CUDA (CUDA_TOO_OLD) or driver (DRIVER_TOO_OLD)
+    what: str = ""  # the architecture family, or what needs the driver floor
+
+
+def version_findings(
+    compute_capabilities: Iterable[str],
+    cuda_version: str | None,
+    driver_version: str | None,
+    open_modules: bool | None,
+    driver_source: str,
+    cuda_source: str,
+) -> list[VersionFinding]:
+    """What keeps a driver/toolkit choice from serving these GPUs; [] means OK.
+
+    ``cuda_version``/``driver_version`` None means not chosen yet, ``open_modules`` None no
+    driver installed (their checks are skipped); ``driver_source``/``cuda_source`` are
+    ``"distro"`` for the distribution's packages (anything else: NVIDIA's)."""
+    capabilities = sorted(set(compute_capabilities), key=parse_version)
+    blackwell = tuple(cc for cc in capabilities if is_blackwell(cc))
+    findings: list[VersionFinding] = []
+
+    def below(floor: str) -> tuple[str, ...]:
+        return tuple(cc for cc in capabilities if parse_version(cc) < parse_version(floor))
+
+    for cc in capabilities:
+        if cc not in ARCHITECTURE_FLOORS and parse_version(cc) > parse_version("12.1"):
+            findings.append(VersionFinding(Shortfall.UNKNOWN_CAPABILITY, (cc,)))
+    if cuda_version is not None:
+        cuda = parse_version(cuda_version)
+        for cc in capabilities:
+            floor = ARCHITECTURE_FLOORS.get(cc)
+            if floor and cuda < parse_version(floor.first_cuda):
+                findings.append(
+                    VersionFinding(Shortfall.CUDA_TOO_OLD, (cc,), floor.first_cuda, floor.family)
+                )
+        if cuda >= parse_version("13.0") and below(CUDA13_MIN_CAPABILITY):
+            findings.append(VersionFinding(Shortfall.CUDA_DROPPED, below(CUDA13_MIN_CAPABILITY)))
+    if driver_version is not None:
+        for needed, what, needed_by in driver_floors(capabilities, cuda_version):
+            if parse_version(driver_version) < parse_version(needed):
+                findings.append(VersionFinding(Shortfall.DRIVER_TOO_OLD, needed_by, needed, what))
+    if blackwell and open_modules is not None and not open_modules:
+        findings.append(VersionFinding(Shortfall.NEEDS_OPEN_MODULES, blackwell))
+    if open_modules and below(OPEN_MODULES_MIN_CAPABILITY):
+        findings.append(
+            VersionFinding(Shortfall.OPEN_NEEDS_TURING, below(OPEN_MODULES_MIN_CAPABILITY))
+        )
+    if blackwell and driver_source == "distro":
+        findings.append(VersionFinding(Shortfall.DISTRO_DRIVER, blackwell))
+    if blackwell and cuda_source == "distro":
+        findings.append(VersionFinding(Shortfall.DISTRO_TOOLKIT, blackwell))
+    return findings
+
+
 def check_versions(
     compute_capabilities: Iterable[str],
     cuda_version: str | None,
@@ -204,86 +304,72 @@ def check_versions(
     driver_source: str,
     cuda_source: str,
 ) -> list[str]:
-    """Problems with a driver/toolkit choice for these GPUs, each with its fix; [] means OK.
+    """Problems with a driver/toolkit choice for these GPUs, each with its fix; [] means OK
+    (`version_findings` worded for what was probed on a host)."""
+    findings = version_findings(
+        compute_capabilities, cuda_version, driver_version, open_modules, driver_source, cuda_source
+    )
+    return [_worded(finding, cuda_version, driver_version) for finding in findings]
 
-    ``cuda_version``/``driver_version`` None means not chosen yet (their checks are skipped);
-    ``driver_source``/``cuda_source`` are ``"nvidia"`` (NVIDIA's repository) or ``"distro"``.
-    """
-    capabilities = sorted(set(compute_capabilities), key=parse_version)
-    blackwell = [cc for cc in capabilities if is_blackwell(cc)]
-    problems: list[str] = []
 
-    for cc in capabilities:
-        if cc not in ARCHITECTURE_FLOORS and parse_version(cc) > parse_version("12.1"):
-            problems.append(f"compute capability {cc} is newer than this table knows; check it")
-    if cuda_version is not None:
-        cuda = parse_version(cuda_version)
-        for cc in capabilities:
-            floor = ARCHITECTURE_FLOORS.get(cc)
-            if floor and cuda < parse_version(floor.first_cuda):
-                problems.append(
-                    f"CUDA {cuda_version} cannot build for sm_{cc.replace('.', '')} "
-                    f"({floor.family}): it needs CUDA >= {floor.first_cuda}"
-                )
-        if cuda >= parse_version("13.0"):
-            old = [
-                cc
-                for cc in capabilities
-                if parse_version(cc) < parse_version(CUDA13_MIN_CAPABILITY)
-            ]
-            if old:
-                problems.append(
-                    f"CUDA {cuda_version} dropped compute capability below "
-                    f"{CUDA13_MIN_CAPABILITY} ({', '.join(old)}): use CUDA 12.x"
-                )
-    if driver_version is not None:
-        for needed, what in driver_floors(capabilities, cuda_version):
-            if parse_version(driver_version) < parse_version(needed):
-                fix = " (or pick an older toolkit)" if what.startswith("CUDA") else ""
-                problems.append(
-                    f"driver {driver_version} is too old for {what}: it needs >= {needed}{fix}"
-                )
-    if blackwell and not open_modules:
-        problems.append(
-            f"Blackwell GPUs ({', '.join(blackwell)}) work only with the open kernel modules: "
-            "install nvidia-open, not the proprietary cuda-drivers"
-        )
-    if open_modules:
-        old = [
-            cc
-            for cc in capabilities
-            if parse_version(cc) < parse_version(OPEN_MODULES_MIN_CAPABILITY)
-        ]
-        if old:
-            problems.append(
-                f"the open kernel modules need Turing (7.5) or newer, not {', '.join(old)}: "
+def _worded(finding: VersionFinding, cuda_version: str | None, driver_version: str | None) -> str:
+    listed = ", ".join(finding.capabilities)
+    match finding.kind:
+        case Shortfall.UNKNOWN_CAPABILITY:
+            return f"compute capability {listed} is newer than this table knows; check it"
+        case Shortfall.CUDA_TOO_OLD:
+            return (
+                f"CUDA {cuda_version} cannot build for sm_{listed.replace('.', '')} "
+                f"({finding.what}): it needs CUDA >= {finding.needed}"
+            )
+        case Shortfall.CUDA_DROPPED:
+            return (
+                f"CUDA {cuda_version} dropped compute capability below "
+                f"{CUDA13_MIN_CAPABILITY} ({listed}): use CUDA 12.x"
+            )
+        case Shortfall.DRIVER_TOO_OLD:
+            fix = "" if finding.capabilities else " (or pick an older toolkit)"
+            return (
+                f"driver {driver_version} is too old for {finding.what}: it needs >= "
+                f"{finding.needed}{fix}"
+            )
+        case Shortfall.NEEDS_OPEN_MODULES:
+            return (
+                f"Blackwell GPUs ({listed}) work only with the open kernel modules: "
+                "install nvidia-open, not the proprietary cuda-drivers"
+            )
+        case Shortfall.OPEN_NEEDS_TURING:
+            return (
+                f"the open kernel modules need Turing (7.5) or newer, not {listed}: "
                 "use the proprietary modules"
             )
-    if blackwell and driver_source == "distro":
-        problems.append(
-            f"{DISTRO_DRIVER_NOTE} cannot drive Blackwell (needs >= 570.26 with open modules): "
-            "install the driver from NVIDIA's repository"
-        )
-    if blackwell and cuda_source == "distro":
-        problems.append(
-            f"{DISTRO_TOOLKIT_NOTE} cannot build for Blackwell (needs CUDA >= 12.8): install "
-            "the toolkit from NVIDIA's repository"
-        )
-    return problems
+        case Shortfall.DISTRO_DRIVER:
+            return (
+                f"{DISTRO_DRIVER_NOTE} cannot drive Blackwell (needs >= 570.26 with open "
+                "modules): install the driver from NVIDIA's repository"
+            )
+        case Shortfall.DISTRO_TOOLKIT:
+            return (
+                f"{DISTRO_TOOLKIT_NOTE} cannot build for Blackwell (needs CUDA >= 12.8): "
+                "install the toolkit from NVIDIA's repository"
+            )
 
 
-def driver_floors(compute_capabilities: Iterable[str], cuda_version: str | None) -> list[tuple]:
-    """The least Linux driver each part of a rig needs: (version, what needs it), for the
-    toolkit (``cuda_version``; None: no toolkit) and each GPU's architecture."""
+def driver_floors(
+    compute_capabilities: Iterable[str], cuda_version: str | None
+) -> list[tuple[str, str, tuple[str, ...]]]:
+    """The least Linux driver each part of a rig needs: (version, what needs it, the compute
+    capabilities it is for), for the toolkit (``cuda_version``; None: no toolkit, and its row
+    names no capability) and each GPU's architecture."""
     floors = []
     if cuda_version is not None:
         needed = toolkit_driver_floor(cuda_version)
         if needed:
-            floors.append((needed, f"CUDA {cuda_version}"))
+            floors.append((needed, f"CUDA {cuda_version}", ()))
     for cc in sorted(set(compute_capabilities), key=parse_version):
         floor = ARCHITECTURE_FLOORS.get(cc)
         if floor:
-            floors.append((floor.min_driver, f"compute capability {cc} ({floor.family})"))
+            floors.append((floor.min_driver, f"compute capability {cc} ({floor.family})", (cc,)))
     return floors
 
 

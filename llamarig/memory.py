@@ -27,7 +27,7 @@ import bisect
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal
 
 from llamarig.gguf_header import GgufHeader, ggml_type, row_size
@@ -44,8 +44,8 @@ SPLIT_DECIMALS = 3
 TENSOR_SPLIT_FFN_BLOCK = 128  # get_split_granularity: lcm(block size, 128) rows for the FFN
 # FLASH_ATTN_EXT's alloc size in ggml-cuda (fattn.cu ggml_cuda_flash_attn_ext_get_alloc_size)
 # includes F16 copies of a non-F16 K and V for the batched kernels.
-F16_BYTES = 2
-F32_BYTES = 4
+F16_BYTES = ggml_type("f16").type_size
+F32_BYTES = ggml_type("f32").type_size
 # Per-token f32 activations of the widest layer, in units of n_embd: fitted to llama.cpp's own
 # estimate (llama-fit-params --fit-print, CUDA, pinned commit) for a qwen35 27B shape; a dense
 # llama 8B shape needs about half of it, so dense models come out slightly high.
@@ -55,6 +55,10 @@ ACTIVATION_ROWS = 8
 LAYER_MODE_OUTPUT_ROWS = 6
 # GGML_CUDA_FA_QUANTS default: the K/V type pairs a default CUDA build has kernels for.
 FA_TYPE_PAIRS = ("f16", "q8_0", "q4_0", "bf16")
+# KV cache types the CUDA backend has a flash-attention kernel for at the pinned llama.cpp
+# (ggml_cuda_fattn_kv_type_supported in ggml-cuda/fattn.cu; f32 is converted to f16): tensor
+# mode forces flash attention on, so it needs one of these.
+CUDA_FA_KV_TYPES = ("f32", "f16", "bf16", "q4_0", "q4_1", "q5_0", "q5_1", "q8_0")
 
 ROW_SPLIT_REFUSED = (
     "split mode 'row' no longer works with CUDA at the pinned llama.cpp commit: loading fails "
@@ -88,14 +92,28 @@ _RECURRENT_SPLIT = re.compile(
 _FFN_SPLIT = re.compile(r"ffn_(up|gate|down|gate_up)(_exps|_shexp)?\.weight")
 
 
+# What nvidia-smi showed per GPU beyond llama.cpp's own buffers (bench/RESULTS.md, H200s,
+# CUDA 13): 1907-1967 MiB in tensor mode with NCCL (about 770 MiB of it NCCL's, 529 MiB the bare
+# CUDA context); 1093 MiB on one GPU of a build with NCCL; 569 MiB on one GPU without NCCL.
+# Rounded up; tensor or layer mode without NCCL was not measured and takes the one-GPU value.
+RESERVE_TENSOR_NCCL_MIB = 2048
+RESERVE_NCCL_MIB = 1100
+RESERVE_MIB = 600
+
+
+def default_reserve_mib(split_mode: str, nccl: bool) -> int:
+    """``planner.reserve_mib: auto``: the measured overhead for this split mode and build."""
+    if not nccl:
+        return RESERVE_MIB
+    return RESERVE_TENSOR_NCCL_MIB if split_mode == "tensor" else RESERVE_NCCL_MIB
+
+
 @dataclass(frozen=True)
 class Device:
     """A GPU as the planner sees it.
 
     ``reserve_mib`` is what the model cannot see: the CUDA context, cuBLAS and NCCL workspaces,
-    a display. On two H200s (bench/RESULTS.md) nvidia-smi showed 1.9-2.0 GiB per GPU beyond
-    llama.cpp's own buffers for llama-server in tensor mode with NCCL (about 770 MiB of it
-    NCCL's, 529 MiB the bare CUDA context) and 1.1 GiB on one GPU.
+    a display (``default_reserve_mib`` gives the measured values).
     """
 
     name: str
@@ -129,19 +147,26 @@ class DevicePlan:
         return self.planned_mib / usable if usable > 0 else math.inf
 
 
-@dataclass(frozen=True)
-class MemoryPlan:
-    devices: list[DevicePlan]
+@dataclass(frozen=True, kw_only=True)
+class ServerSettings:
+    """The llama-server settings a plan is made for (-sm, -c, -np, -kvu, -ctk, -ctv, -ub and
+    --spec-draft-n-max)."""
+
     split_mode: SplitMode
-    ratio: tuple[float, ...]
     ctx: int
     n_parallel: int
     kv_unified: bool
     type_k: str
     type_v: str
     n_ubatch: int
-    margin_mib: int
     mtp_draft_n_max: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryPlan(ServerSettings):
+    devices: list[DevicePlan]
+    ratio: tuple[float, ...]
+    margin_mib: int
     host_weights_mib: int
     suggestions: list[str] = field(default_factory=list)
 
@@ -457,16 +482,8 @@ def _f16_copy_bytes_per_cell(
 # --- the plan --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Config:
-    split_mode: SplitMode
-    ctx: int
-    n_parallel: int
-    kv_unified: bool
-    type_k: str
-    type_v: str
-    n_ubatch: int
-    mtp_draft_n_max: int
+@dataclass(frozen=True, kw_only=True)
+class _Config(ServerSettings):
     draft_type_k: str = "f16"
     draft_type_v: str = "f16"
     n_gpu_layers: int | None = None  # None: every layer (-ngl all)
@@ -797,17 +814,17 @@ def plan_memory(
         raise ValueError("n_parallel and n_ubatch must be at least 1")
     mode: SplitMode = split_mode  # type: ignore[assignment]
     cfg = _Config(
-        mode,
-        0,
-        n_parallel,
-        kv_unified,
-        type_k,
-        type_v,
-        n_ubatch,
-        mtp_draft_n_max,
-        draft_type_k,
-        draft_type_v,
-        n_gpu_layers,
+        split_mode=mode,
+        ctx=0,
+        n_parallel=n_parallel,
+        kv_unified=kv_unified,
+        type_k=type_k,
+        type_v=type_v,
+        n_ubatch=n_ubatch,
+        mtp_draft_n_max=mtp_draft_n_max,
+        draft_type_k=draft_type_k,
+        draft_type_v=draft_type_v,
+        n_gpu_layers=n_gpu_layers,
     )
     planner = _Planner(header, devices, cfg, margin_mib)
 
@@ -818,20 +835,14 @@ def plan_memory(
     else:
         chosen_ctx = ctx
     ratio, plans = planner.solve(chosen_ctx, split=tensor_split)
-    host = _place_all(header, planner.layers, replace(cfg, ctx=chosen_ctx), ratio).host_weights
+    chosen = replace(cfg, ctx=chosen_ctx)
+    host = _place_all(header, planner.layers, chosen, ratio).host_weights
     fits = all(p.fits for p in plans)
     return MemoryPlan(
+        **{setting.name: getattr(chosen, setting.name) for setting in fields(ServerSettings)},
         devices=plans,
-        split_mode=mode,
         ratio=ratio,
-        ctx=chosen_ctx,
-        n_parallel=n_parallel,
-        kv_unified=kv_unified,
-        type_k=type_k,
-        type_v=type_v,
-        n_ubatch=n_ubatch,
         margin_mib=margin_mib,
-        mtp_draft_n_max=mtp_draft_n_max,
         host_weights_mib=_mib(host),
         suggestions=[] if fits else planner.suggestions(chosen_ctx, tensor_split, plans),
     )

@@ -20,14 +20,36 @@ from pyinfra.api import (
     StringCommand,
     operation,
 )
-from pyinfra.facts.deb import DebPackages
-from pyinfra.facts.files import File, FileContents
+from pyinfra.facts.apt import noninteractive_apt
+from pyinfra.facts.files import Directory, File, FileContents, Link
 from pyinfra.facts.git import GitLocalCommit
 from pyinfra.operations.util.files import generate_color_diff
 
-from llamarig.facts import BuildDirectories, FileSha256, JsonFile
+from llamarig import checksums, pace, progress
+from llamarig.answers import Answer, verdict
+from llamarig.answers import check_command as answer_check_command
+from llamarig.answers import parse_output as parse_answer_output
+from llamarig.facts import (
+    APT_UPDATE_STAMP,
+    AptListsAge,
+    BuildDirectories,
+    FileState,
+    JsonFile,
+    MeasuredOverheads,
+    MokKeyState,
+    PackageVersions,
+    RecordedSha256,
+    ServerProbe,
+    UnitState,
+    known,
+)
+from llamarig.hostjob import HostJob, JobCommand
 from llamarig.llama_args import option_name
 from llamarig.render import CURL_AUTH
+
+# Where a detached job keeps its pid, log and exit status: beside the file it makes, or in
+# the build directory.
+JOB_DIRECTORY = ".llamarig-job"
 
 
 @operation()
@@ -53,7 +75,7 @@ def git_commit(repo: str, path: str, commit: str):
             commit="0c1e57098bba43ac29e6e3b677cdceebdd22334f",
         )
     """
-    head = host.get_fact(GitLocalCommit, repo=path)
+    head = known(GitLocalCommit, repo=path)
     if head == commit:
         host.noop(f"{path} is at {commit[:12]}")
         return
@@ -117,7 +139,7 @@ def cmake_build(
             marker="/opt/llamarig/builds/0c1e57098bba-1a2b3c4d5e/.llamarig-build.json",
         )
     """
-    if host.get_fact(JsonFile, path=marker) == manifest:
+    if known(JsonFile, path=marker) == manifest:
         host.noop(f"build {build_dir} is complete")
         return
     environment = ""
@@ -130,24 +152,67 @@ def cmake_build(
     # A run killed mid-build can leave its compiler running: the lock makes the next run wait
     # for it instead of building into the same directory at the same time.
     lock = f"flock {shlex.quote(build_dir + '/.llamarig-build.lock')} "
-    yield environment + lock + shlex.join(configure)
-    yield environment + lock + shlex.join(build)
     content = shlex.quote(json.dumps(manifest, indent=2, sort_keys=True))
-    yield f"printf '%s\\n' {content} > {shlex.quote(marker)}"
+    script = " &&\n".join(
+        [
+            environment + lock + shlex.join(configure),
+            environment + lock + shlex.join(build),
+            f"printf '%s\\n' {content} > {shlex.quote(marker)}",
+        ]
+    )
+    # Detached and watched: the build's step counter every few seconds, its duration at the end.
+    yield JobCommand(
+        HostJob(f"{build_dir}/{JOB_DIRECTORY}", script),
+        BuildReport().report,
+        BuildReport.finish,
+        what="build",
+    )
+
+
+class BuildReport:
+    """The progress lines of ``cmake_build``: ninja's ``[N/M]`` (or make's percentage) and the
+    time so far; the last step seen stays when a poll's log tail shows none (long warnings)."""
+
+    def __init__(self) -> None:
+        self.step: progress.BuildStep | None = None
+
+    def report(self, poll: progress.JobPoll, elapsed: float) -> str:
+        self.step = progress.last_build_step(poll.log_tail) or self.step
+        return progress.build_line(self.step, elapsed)
+
+    @staticmethod
+    def finish(poll: progress.JobPoll, elapsed: float) -> str:
+        step = progress.last_build_step(poll.log_tail)
+        steps = f" ({step.total} steps)" if step and step.unit == "steps" else ""
+        return f"built in {progress.format_duration(elapsed)}{steps}"
 
 
 @operation()
-def fetch_checked(url: str, dest: str, sha256: str):
+def fetch_checked(
+    url: str,
+    dest: str,
+    sha256: str,
+    header_file: str | None = None,
+    records: str = checksums.RECORD_DIRECTORY,
+):
     """
     Download a file resumably and move it into place only when its sha256 matches.
 
     + url: http(s) URL
     + dest: final path on the host
     + sha256: expected digest (lowercase hex)
+    + header_file: a root-only file on the host of request headers (an Authorization line),
+      sent with ``curl -H @FILE``, so a token is never in an argv; curl drops it on a redirect
+      to another host or port (no ``--location-trusted``)
+    + records: the root-only directory of checksum records (``llamarig.checksums``)
 
     The download goes to ``dest.part`` (resumed with HTTP ranges after an interruption). A
     complete download with the wrong digest is deleted and the operation fails; the file at
-    ``dest`` is only ever replaced by one that matches.
+    ``dest`` is only ever replaced by one that matches. The digest is recorded with the file's
+    identity: while the file is unchanged, later runs read the record, not the file. A file
+    at ``dest`` with no record is hashed (and kept when it matches); one whose record holds
+    another digest is downloaded again without being read (``record_checksum`` before this
+    operation records a file's digest without counting as a download).
 
     **Example:**
 
@@ -159,27 +224,109 @@ def fetch_checked(url: str, dest: str, sha256: str):
             sha256="832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e",
         )
     """
-    if host.get_fact(FileSha256, path=dest) == sha256:
-        host.noop(f"{dest} matches its sha256")
+    found = known(RecordedSha256, path=dest, records=records)
+    recorded = found["sha256"] if found else None
+    if recorded == sha256:
+        host.noop(f"{dest} matches its sha256 (recorded, the file unchanged since)")
         return
-    yield fetch_command(url, dest, sha256)
+    if recorded and state.is_executing:
+        host.log(
+            f"{dest} has sha256 {recorded}, expected {sha256}: downloading it again",
+            logger.warning,
+        )
+    # Detached and watched: bytes, rate and ETA every few seconds, the duration at the end.
+    job = HostJob(
+        f"{dest}{JOB_DIRECTORY}",
+        fetch_command(
+            url, dest, sha256, header_file, check_dest=bool(found and not recorded), records=records
+        ),
+        probe=f"stat -c %s {shlex.quote(dest + '.part')}",
+    )
+    meter = DownloadReport()
+    yield JobCommand(job, meter.report, meter.finish, what="download")
 
 
-def fetch_command(url: str, dest: str, sha256: str) -> str:
-    """The shell command of ``fetch_checked``: a resumable, checksummed download to ``dest``."""
+class DownloadReport:
+    """The progress lines of ``fetch_checked``: the partial file's size (each poll's probe) of
+    the size the server announced (the headers curl writes to the job's log)."""
+
+    def __init__(self) -> None:
+        self.rate = progress.RateMeter()
+        # (time, size) of the first and the last poll that saw the partial file.
+        self.first: tuple[float, int] | None = None
+        self.last: tuple[float, int] | None = None
+        self.total: int | None = None
+
+    def report(self, poll: progress.JobPoll, elapsed: float) -> str:
+        self.total = progress.expected_size(poll.log_tail) or self.total
+        if poll.probe.isdigit():
+            # This machine's clock: finer than the host's whole seconds.
+            self.last = (time.monotonic(), int(poll.probe))
+            self.first = self.first or self.last
+            self.rate.add(*self.last)
+        size = self.last[1] if self.last else 0
+        if progress.last_phase(poll.log_tail) == "sha256":
+            whole = progress.format_bytes(self.total or size)
+            return f"checking the sha256 of {whole}, {progress.format_duration(elapsed)} elapsed"
+        return progress.download_line(size, self.total, self.rate.rate(), elapsed)
+
+    def finish(self, poll: progress.JobPoll, elapsed: float) -> str:
+        total = progress.expected_size(poll.log_tail) or self.total
+        took = progress.format_duration(elapsed)
+        if total is None:
+            return f"checked in {took} (no download was needed)"
+        # The average over what this run saw arrive; all of it when the job ended unseen.
+        if self.first and self.last and self.last[0] > self.first[0]:
+            rate = (self.last[1] - self.first[1]) / (self.last[0] - self.first[0])
+        else:
+            rate = total / elapsed if elapsed else None
+        return (
+            f"downloaded {progress.format_bytes(total)} in {took} "
+            f"({progress.format_rate(rate)}), sha256 matches"
+        )
+
+
+def fetch_command(
+    url: str,
+    dest: str,
+    sha256: str,
+    header_file: str | None = None,
+    check_dest: bool = False,
+    records: str = checksums.RECORD_DIRECTORY,
+) -> str:
+    """The shell command of ``fetch_checked``: a resumable, checksummed download to ``dest``,
+    whose digest it records. With ``check_dest``, a file already at ``dest`` is hashed first
+    (and recorded) and kept when it matches. It writes the response headers (for the expected
+    size) and its phases to its output."""
     part = shlex.quote(dest + ".part")
     q_dest, q_url, q_lock = shlex.quote(dest), shlex.quote(url), shlex.quote(dest + ".lock")
     q_sha256 = shlex.quote(sha256)
+    headers = f"-H {shlex.quote('@' + header_file)} " if header_file else ""
+    record = checksums.write_record_command(dest, q_sha256, records=records)
+    existing = ""
+    if check_dest:
+        existing = f"""
+if [ -f {q_dest} ]; then
+  echo '{progress.PHASE_MARK}sha256'
+  {checksums.hash_and_record_command(dest, records)} || exit 1
+  if [ "$actual" = {q_sha256} ]; then
+    printf '%s matches its sha256\\n' {q_dest}; rm -f {q_lock}; exit 0
+  fi
+  printf '%s has sha256 %s, expected %s: downloading it again\\n' {q_dest} "$actual" {q_sha256}
+fi"""
     # Every value is one quoted word, in messages too (printf arguments, never inside "...").
     return f"""
 # One download at a time: a run killed mid-download can leave its curl running.
-exec 9>{q_lock}; flock 9
+exec 9>{q_lock}; flock 9{existing}
 if [ -f {part} ] && [ "$(sha256sum < {part} | cut -d' ' -f1)" = {q_sha256} ]; then
   printf '%s.part is complete\\n' {q_dest}
 else
+  echo '{progress.PHASE_MARK}download'
   # curl exits 33 when the server cannot resume; then start the part over.
-  curl -fsSL --retry 3 -C - -o {part} -- {q_url} || {{
-    rc=$?; [ $rc -eq 33 ] || exit $rc; rm -f {part}; curl -fsSL --retry 3 -o {part} -- {q_url}; }}
+  curl -fsSL --retry 3 {headers}-C - -D - -o {part} -- {q_url} || {{
+    rc=$?; [ $rc -eq 33 ] || exit $rc; rm -f {part}
+    curl -fsSL --retry 3 {headers}-D - -o {part} -- {q_url} || exit $?; }}
+  echo '{progress.PHASE_MARK}sha256'
   actual=$(sha256sum < {part} | cut -d' ' -f1)
   if [ "$actual" != {q_sha256} ]; then
     rm -f {part}
@@ -188,17 +335,62 @@ else
     exit 1
   fi
 fi
-chmod 0644 {part} && mv -f {part} {q_dest} && rm -f {q_lock}
+# Recorded after the last chmod and rename, which change the file's ctime.
+chmod 0644 {part} && mv -f {part} {q_dest} && {record} && rm -f {q_lock}
 """.strip()
 
 
 @operation()
-def check_file(path: str, sha256: str | None = None):
+def record_checksum(path: str, rehash: bool = False, records: str = checksums.RECORD_DIRECTORY):
+    """
+    Hash a file that has no valid checksum record and record its digest, whatever it is;
+    never fails on a digest (``check_file`` and ``fetch_checked`` act on the record).
+
+    + path: absolute path; nothing is done when no regular file is there
+    + rehash: hash it even when its record is valid (the record is written again)
+    + records: the root-only directory of checksum records (``llamarig.checksums``)
+
+    Before ``fetch_checked``, it takes the first hash of a file that is already in place (a
+    file from before records existed, or one changed on the host) out of the download: a
+    digest that matches then changes no download, so nothing restarts because of it.
+
+    **Example:**
+
+    .. code:: python
+
+        record_checksum(path="/opt/llamarig/models/model.gguf")
+    """
+    found = known(RecordedSha256, path=path, records=records)
+    if found is None:
+        host.noop(f"{path} does not exist (yet)")
+        return
+    if found["sha256"] and not rehash:
+        host.noop(f"{path} is unchanged since it was hashed")
+        return
+    yield (
+        f"{checksums.hash_and_record_command(path, records)} && "
+        f"printf '%s has sha256 %s\\n' {shlex.quote(path)} \"$actual\""
+    )
+
+
+@operation()
+def check_file(
+    path: str,
+    sha256: str | None = None,
+    rehash: bool = False,
+    records: str = checksums.RECORD_DIRECTORY,
+):
     """
     Require a file already on the host, optionally with a given sha256; never changes it.
 
     + path: absolute path
     + sha256: expected digest, or None to only require the file
+    + rehash: hash the file even when a record says it is unchanged since its last hash
+    + records: the root-only directory of checksum records (``llamarig.checksums``)
+
+    The file is hashed when it has no valid record (the first run, or the file changed since):
+    that run reports a change, the record written; later runs read the record. A record of
+    another digest refuses the file without reading it again.
 
     **Example:**
 
@@ -212,12 +404,29 @@ def check_file(path: str, sha256: str | None = None):
             return
         yield fail_command(f"model file {path} does not exist on the host")
         return
-    actual = host.get_fact(FileSha256, path=path)
-    if actual == sha256:
-        host.noop(f"{path} matches its sha256")
+    found = known(RecordedSha256, path=path, records=records)
+    if found is None:
+        yield fail_command(f"model file {path} does not exist; expected sha256 {sha256}")
         return
-    found = "does not exist" if actual is None else f"has sha256 {actual}"
-    yield fail_command(f"model file {path} {found}; expected sha256 {sha256}")
+    recorded = None if rehash else found["sha256"]
+    if recorded == sha256:
+        host.noop(f"{path} matches its sha256 (recorded, the file unchanged since)")
+        return
+    fix = "replace the file, or set model.sha256 to the file's digest"
+    if recorded:
+        yield fail_command(
+            f"model file {path} has sha256 {recorded} (recorded when it was last hashed, the "
+            f"file unchanged since); expected sha256 {sha256}: {fix}"
+        )
+        return
+    q_path, q_sha256 = shlex.quote(path), shlex.quote(sha256)
+    yield f"""
+{checksums.hash_and_record_command(path, records)} || exit 1
+if [ "$actual" != {q_sha256} ]; then
+  printf 'llamarig: model file %s has sha256 %s; expected sha256 %s: %s\\n' \\
+    {q_path} "$actual" {q_sha256} {shlex.quote(fix)} >&2
+  exit 1
+fi""".strip()
 
 
 def fail_command(message: str) -> str:
@@ -264,6 +473,52 @@ serving() {{
 """
 
 
+@operation()
+def record_gpu_overheads(
+    directory: str, build: str, split_mode: str, gpu_indices: list[int], buffers_mib: list[int]
+):
+    """
+    Record, once per build and split mode, what nvidia-smi shows on each used GPU beyond the
+    plan's buffers (CUDA context, cuBLAS and NCCL workspaces), for the planner's next reserve.
+
+    + directory: where the records live (one file ``BUILD.MODE`` each, read by the
+      ``MeasuredOverheads`` fact)
+    + build, split_mode: what the record is for
+    + gpu_indices: nvidia-smi's index of each used GPU, in the plan's device order
+    + buffers_mib: llama.cpp's buffers the plan put on each of them (weights, KV, compute)
+
+    A record is never rewritten, so a later start of the same build (a few MiB apart) leaves the
+    plan as it is. Call it after a start that served (guard it with ``_if=``).
+
+    **Example:**
+
+    .. code:: python
+
+        record_gpu_overheads(
+            directory="/var/lib/llamarig/gpu-overheads",
+            build="0c1e57098bba-1a2b3c4d5e",
+            split_mode="tensor",
+            gpu_indices=[0, 1],
+            buffers_mib=[18167, 18167],
+        )
+    """
+    if (build, split_mode) in known(MeasuredOverheads, path=directory):
+        host.noop(f"the GPU overhead of {build} in {split_mode} mode is recorded")
+        return
+    q_dir = shlex.quote(directory)
+    record = shlex.quote(f"{directory}/{build}.{split_mode}")
+    indices = shlex.quote(" ".join(str(index) for index in gpu_indices))
+    buffers = shlex.quote(" ".join(str(mib) for mib in buffers_mib))
+    yield (
+        f"[ -e {record} ] || {{ mkdir -p {q_dir} && "
+        "used=$(nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits) && "
+        f"printf '%s\\n' \"$used\" | awk -F', *' -v indices={indices} -v buffers={buffers} "
+        '\'{ used[$1] = $2 } END { n = split(indices, i, " "); split(buffers, b, " "); '
+        'for (k = 1; k <= n; k++) printf "%s%d", (k > 1 ? " " : ""), used[i[k]] - b[k]; '
+        f'print "" }}\' > {record}.new && mv {record}.new {record}; }}'
+    )
+
+
 @operation(is_idempotent=False)
 def serve_or_roll_back(
     base_url: str,
@@ -273,11 +528,15 @@ def serve_or_roll_back(
     env_file: str,
     current: str,
     last_good: str,
+    answers: list[Answer] | None = None,
+    max_slowdown: float | None = None,
+    model: str = "",
 ):
     """
-    Wait until a (re)started llama-server serves; if it does not, put the last version that
-    served back (unit, environment file and `current` link), restart it, confirm it serves, and
-    fail with the new version's last journal lines.
+    Wait until a (re)started llama-server serves, gives every expected answer and decodes
+    about as fast as the last version that served; if it does not, put that version back
+    (unit, environment file and `current` link), restart it, confirm it serves, and fail with
+    why: the new version's last journal lines, the answer it got wrong, or both speeds.
 
     + base_url: e.g. ``http://127.0.0.1:8080``
     + service: systemd unit name (journal, restart)
@@ -285,6 +544,14 @@ def serve_or_roll_back(
     + unit, env_file, current: the unit file, its environment file and the `current` link
     + last_good: directory holding copies of those three from the last version that served;
       refreshed after every successful start
+    + answers: the rig's ``expect.answers`` (``llamarig.answers.answers``), asked greedily once
+      it serves; judged here, on the control machine, as ``llamarig verify`` judges them
+    + max_slowdown: the share by which the decode speed (``llamarig.pace``: the best of 3
+      greedy completions, 3 more, then the last version measured again and the new one once
+      more before a refusal) may fall below the last good version's before the new one is
+      rolled back; None: not measured
+    + model: what the speed is of (the model file and its checksum): speeds of another model
+      are not compared, since a larger model is meant to be slower
 
     Only call it when something was (re)started (guard it with ``_if=``): it always runs.
 
@@ -302,43 +569,218 @@ def serve_or_roll_back(
             last_good="/var/lib/llamarig/last-good",
         )
     """
-    q_service, q_unit, q_env, q_current, q_good, q_url = (
-        shlex.quote(value) for value in (service, unit, env_file, current, last_good, base_url)
-    )
+    q_service, q_good, q_url = (shlex.quote(value) for value in (service, last_good, base_url))
+    check = _serving_check(base_url, service, timeout)
+    roll_back = _roll_back(service, unit, env_file, current, last_good)
     # Values reach messages as printf arguments, never inside double quotes.
     yield (
-        _serving_check(base_url, service, timeout)
+        check
         + f"""
-if serving; then
-  mkdir -p {q_good}
-  cp {q_unit} {q_good}/unit.new && cp {q_env} {q_good}/env.new \\
-    && readlink {q_current} > {q_good}/current.new \\
-    && for f in unit env current; do mv {q_good}/$f.new {q_good}/$f; done
-  printf 'llamarig: %s serves at %s\\n' {q_service} {q_url}
-  exit 0
+if ! serving; then
+  printf 'llamarig: the new version of %s does not serve: %s. Its last journal lines:\\n' \\
+    {q_service} "$why" >&2
+  journalctl -u {q_service} -n 30 --no-pager -o cat >&2
+{roll_back}
 fi
-printf 'llamarig: the new version of %s does not serve: %s. Its last journal lines:\\n' \\
-  {q_service} "$why" >&2
-journalctl -u {q_service} -n 30 --no-pager -o cat >&2
+"""
+    )
+    if answers:
+        # pyinfra passes (state, host) to a callback whose parameters have those names, and
+        # fails the operation when it returns False.
+        def ask(state, host) -> bool:
+            started = time.monotonic()
+            wrong = wrong_answers(host, base_url, answers)
+            if not wrong:
+                host.log(
+                    f"llamarig: {len(answers)} expected answer(s) right at {base_url} "
+                    f"in {time.monotonic() - started:.1f} s"
+                )
+                return True
+            for problem in wrong:
+                host.log_styled(f"llamarig: {problem}", fg="red", log_func=logger.error)
+            why = shlex.quote("; ".join(wrong))
+            _, output = host.run_shell_command(
+                StringCommand(
+                    check
+                    + f"""
+printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why} >&2
+{roll_back}
+"""
+                )
+            )
+            for line in output.output_lines:
+                host.log(line, log_func=logger.error)
+            return False
+
+        yield FunctionCommand(ask, (), {})
+    if max_slowdown is not None:
+        speed_file = shlex.quote(f"{last_good}/{pace.SPEED_FILE}")
+        candidate = f"{last_good}/candidate"
+
+        def measure(host, best: float = 0.0) -> float | None:
+            """The best decode speed of RUNS completions, or ``best`` (an earlier look) when
+            higher; None, the error logged, when a reply has no timings."""
+            replies = []
+            for _ in range(pace.RUNS):
+                command = StringCommand(pace.decode_command(base_url))
+                replies.append(host.run_shell_command(command)[1].stdout)
+            try:
+                return max(best, pace.decode_speed(replies))
+            except ValueError as error:
+                host.log_styled(f"llamarig: {error}", fg="red", log_func=logger.error)
+                return None
+
+        def logged(host, command: str) -> bool:
+            succeeded, output = host.run_shell_command(StringCommand(check + command))
+            for line in output.output_lines:
+                host.log(line, log_func=logger.info if succeeded else logger.error)
+            return succeeded
+
+        def keep_pace(state, host) -> bool:
+            _, recorded = host.run_shell_command(StringCommand(f"cat {speed_file} 2>/dev/null"))
+            last = pace.recorded_speed(recorded.stdout_lines, model)
+            speed = measure(host)
+            if speed is not None and pace.slowdown(speed, last, max_slowdown):
+                speed = measure(host, speed)  # a second look before a rollback
+            if speed is None:
+                return False
+            against_record = pace.slowdown(speed, last, max_slowdown)
+            if against_record:
+                # The record may come from a quieter moment of the host: the last version is
+                # measured again now, so the verdict rests on speeds measured side by side.
+                host.log(
+                    f"llamarig: the new version {against_record}; "
+                    "measuring the last version that served again, side by side"
+                )
+                stash = _keep_version(unit, env_file, current, candidate) + " || exit 1\n"
+                if not logged(
+                    host,
+                    stash + _roll_back(service, unit, env_file, current, last_good, final=False),
+                ):
+                    return False
+                then = measure(host)
+                if then is None:
+                    return False
+                slower = pace.slowdown_side_by_side(speed, then, last, max_slowdown)
+                if slower:
+                    # A busy spell of the host can outlast the new version's runs (on a 2-core
+                    # machine all six decoded 14% slower, the last version's right after did
+                    # not): the new version gets a second look, after the last version's.
+                    host.log(
+                        f"llamarig: the new version {slower}; measuring it once more, after "
+                        "the last version"
+                    )
+                else:
+                    host.log(
+                        f"llamarig: the last version decodes at {then:.1f} tokens/s now: the "
+                        f"new version's {speed:.1f} is within server.max_slowdown, it goes back "
+                        "in place"
+                    )
+                forward = _switch_to(service, unit, env_file, current, candidate)
+                if not logged(host, forward + f"\nserving || {{\n{roll_back}\n}}\n"):
+                    return False
+                if slower:
+                    speed = measure(host, speed)
+                    if speed is None:
+                        return False
+                    slower = pace.slowdown_side_by_side(speed, then, last, max_slowdown)
+                    if slower:
+                        host.log_styled(
+                            f"llamarig: the new version of {service} {slower}",
+                            fg="red",
+                            log_func=logger.error,
+                        )
+                        logged(host, roll_back)
+                        return False
+                    host.log(
+                        f"llamarig: the new version decodes at {speed:.1f} tokens/s on a second "
+                        f"look, within server.max_slowdown of the last version's {then:.1f}: "
+                        "it stays"
+                    )
+            host.log(
+                f"llamarig: decodes at {speed:.1f} tokens/s"
+                + (f" (last good {last:.1f})" if last else "")
+            )
+            record = f"mkdir -p {q_good} && printf '%.1f\\n%s\\n' {speed} {shlex.quote(model)}"
+            host.run_shell_command(StringCommand(f"{record} > {speed_file}.new"))
+            return True
+
+        yield FunctionCommand(keep_pace, (), {})
+    q_speed = shlex.quote(f"{last_good}/{pace.SPEED_FILE}")
+    yield (
+        _keep_version(unit, env_file, current, last_good)
+        + f" && {{ [ ! -f {q_speed}.new ] || mv {q_speed}.new {q_speed}; }}"
+        f" && rm -rf {q_good}/candidate"
+        f" && printf 'llamarig: %s serves at %s\\n' {q_service} {q_url}"
+    )
+
+
+def _keep_version(unit: str, env_file: str, current: str, directory: str) -> str:
+    """A shell command that copies the unit, environment file and `current` link's target
+    into ``directory`` (files ``unit``, ``env``, ``current``), each replaced whole; what
+    ``_switch_to`` puts back."""
+    q_unit, q_env, q_current, q_dir = (
+        shlex.quote(value) for value in (unit, env_file, current, directory)
+    )
+    return (
+        f"mkdir -p {q_dir}"
+        f" && cp {q_unit} {q_dir}/unit.new && cp {q_env} {q_dir}/env.new"
+        f" && readlink {q_current} > {q_dir}/current.new"
+        f" && for f in unit env current; do mv {q_dir}/$f.new {q_dir}/$f; done"
+    )
+
+
+def _switch_to(service: str, unit: str, env_file: str, current: str, source: str) -> str:
+    """Shell lines that install the unit, environment file and `current` link kept in
+    ``source`` (files ``unit``, ``env``, ``current``) and restart the service."""
+    q_service, q_unit, q_env, q_current, q_source = (
+        shlex.quote(value) for value in (service, unit, env_file, current, source)
+    )
+    return f"""
+cp {q_source}/unit {q_unit} && cp {q_source}/env {q_env} \\
+  && ln -sfn "$(cat {q_source}/current)" {q_current}.new && mv -T {q_current}.new {q_current}
+systemctl daemon-reload
+systemctl reset-failed -- {q_service} 2>/dev/null || true
+systemctl restart -- {q_service}
+""".strip("\n")
+
+
+def _roll_back(
+    service: str, unit: str, env_file: str, current: str, last_good: str, final: bool = True
+) -> str:
+    """Shell lines (after a ``serving`` function) that put the last version that served back,
+    restart it and say whether it serves. ``final``: they always exit 1 (the run fails);
+    otherwise they exit 1 only when the version put back does not serve."""
+    q_good = shlex.quote(last_good)
+    advice = "; fix the rig data and deploy again" if final else ""
+    return f"""
 if [ ! -f {q_good}/current ]; then
   echo "llamarig: no earlier version served on this host: nothing to roll back to" >&2
   exit 1
 fi
 started=$(date +%s)
-cp {q_good}/unit {q_unit} && cp {q_good}/env {q_env} \\
-  && ln -sfn "$(cat {q_good}/current)" {q_current}.new && mv -T {q_current}.new {q_current}
-systemctl daemon-reload
-systemctl reset-failed -- {q_service} 2>/dev/null || true
-systemctl restart -- {q_service}
+{_switch_to(service, unit, env_file, current, last_good)}
 if serving; then
   echo "llamarig: rolled back: the last version that served ($(cat {q_good}/current)) serves" \\
-    "again after $(( $(date +%s) - started )) s; fix the rig data and deploy again" >&2
+    "again after $(( $(date +%s) - started )) s{advice}" >&2
 else
   printf 'llamarig: the rollback does not serve either: %s\\n' "$why" >&2
+  exit 1
 fi
-exit 1
-""".rstrip()
-    )
+{"exit 1" if final else ""}
+""".strip("\n")
+
+
+def wrong_answers(host, base_url: str, answers: list[Answer]) -> list[str]:
+    """Ask each answer's question on the host; what each wrong one got (none: all right)."""
+    wrong = []
+    for answer in answers:
+        _, output = host.run_shell_command(StringCommand(answer_check_command(base_url, answer)))
+        status, body = parse_answer_output(output.stdout)
+        problem = verdict(answer, status, body)
+        if problem:
+            wrong.append(problem)
+    return wrong
 
 
 @operation()
@@ -363,7 +805,7 @@ def prune_builds(builds: str, keep: int, current: str, last_good: str | None = N
             last_good="/opt/llamarig/builds/9f8e7d6c5b4a-0a1b2c3d4e",
         )
     """
-    present = host.get_fact(BuildDirectories, path=builds)
+    present = known(BuildDirectories, path=builds)
     kept = [PurePosixPath(current).name]
     rollback_target = PurePosixPath(last_good).name if last_good else None
     if rollback_target in present and rollback_target not in kept:
@@ -381,7 +823,8 @@ def prune_builds(builds: str, keep: int, current: str, last_good: str | None = N
 def tcp_probe(endpoint: str) -> str:
     """A shell test that succeeds when ``endpoint`` (host:port, [v6]:port) accepts TCP."""
     address, _, port = endpoint.rpartition(":")
-    address = address.strip("[]")
+    if len(address) > 1 and address[0] == "[" and address[-1] == "]":
+        address = address[1:-1]  # one pair: [v6]
     # Address and port reach bash as its arguments, never as part of its script.
     script = shlex.quote('exec 3<>"/dev/tcp/$1/$2"')
     return (
@@ -394,7 +837,10 @@ def tcp_probe(endpoint: str) -> str:
 def wait_for_port(endpoint: str, service: str, timeout: int):
     """
     Wait until a (re)started service accepts TCP connections on ``endpoint``; else fail with its
-    last journal lines.
+    last journal lines and the sockets that hold its port. Servers that set SO_REUSEADDR
+    (ggml-rpc-server, llama-server) still cannot bind a port an outgoing connection holds, even
+    in TIME-WAIT, and a port in the kernel's ephemeral range is handed to those: the failure
+    says so and names the fix.
 
     + endpoint: ``host:port`` the service listens on
     + service: systemd unit name (journal)
@@ -407,14 +853,31 @@ def wait_for_port(endpoint: str, service: str, timeout: int):
         wait_for_port(endpoint="10.0.0.12:50052", service="ggml-rpc-server", timeout=60)
     """
     quoted, q_endpoint = shlex.quote(service), shlex.quote(endpoint)
+    port = shlex.quote(endpoint.rpartition(":")[2])
     yield f"""
 deadline=$(( $(date +%s) + {int(timeout)} ))
 until {tcp_probe(endpoint)}; do
-  if [ $(date +%s) -ge $deadline ] || [ "$(systemctl show -P SubState -- {quoted})" = auto-restart ]
-  then
+  # A crash loop (auto-restart) or an exit (ggml-rpc-server exits 0 when it cannot bind) ends
+  # the wait early.
+  state=$(systemctl show --value -p ActiveState -p SubState -- {quoted} | tr '\\n' ' ')
+  case "$state" in *auto-restart*|*inactive*|*failed*) deadline=0 ;; esac
+  if [ $(date +%s) -ge $deadline ]; then
     printf 'llamarig: %s does not accept connections on %s; its journal:\\n' \\
       {quoted} {q_endpoint} >&2
-    journalctl -u {quoted} -n 20 --no-pager -o cat >&2; exit 1
+    journalctl -u {quoted} -n 20 --no-pager -o cat >&2
+    held=$(ss -Htanp "( sport = :"{port}" )" 2>/dev/null)
+    if [ -n "$held" ]; then
+      printf 'llamarig: sockets on port %s now (one bound elsewhere, or an outgoing' {port} >&2
+      printf " connection's, even in TIME-WAIT, stops the bind):\\n%s\\n" "$held" >&2
+      read -r low high < /proc/sys/net/ipv4/ip_local_port_range
+      if [ {port} -ge "$low" ] && [ {port} -le "$high" ]; then
+        printf 'llamarig: port %s lies in the kernel ephemeral range %s-%s, which outgoing' \\
+          {port} "$low" "$high" >&2
+        printf ' connections take: choose a port below %s, or reserve it' "$low" >&2
+        printf ' (sysctl net.ipv4.ip_local_reserved_ports)\\n' >&2
+      fi
+    fi
+    exit 1
   fi
   sleep 1
 done
@@ -526,8 +989,8 @@ def driver_packages(packages: list[str], dkms_package: str | None = None):
             dkms_package="nvidia-open-kernel-dkms",
         )
     """
-    installed = host.get_fact(DebPackages)
-    missing = [package for package in packages if package not in installed]
+    installed = known(PackageVersions, packages=sorted(packages))
+    missing = [package for package in packages if installed.get(package) is None]
     if not missing:
         host.noop(f"{', '.join(packages)} installed")
         return
@@ -636,10 +1099,8 @@ def atomic_file(src: IO[str], dest: str, mode: str = "644"):
     # pyinfra runs an operation's body more than once (to plan, then to execute).
     src.seek(0)
     content = src.read().encode()
-    remote = host.get_fact(File, path=dest)
-    same_content = bool(remote) and host.get_fact(FileSha256, path=dest) == (
-        hashlib.sha256(content).hexdigest()
-    )
+    remote = known(FileState, path=dest)
+    same_content = bool(remote) and remote["sha256"] == hashlib.sha256(content).hexdigest()
     if same_content:
         if remote["mode"] != int(mode):
             yield f"chmod {mode} {shlex.quote(dest)}"
@@ -679,7 +1140,7 @@ def secret_file(src: str, dest: str):
     """
     with open(src, "rb") as handle:
         wanted = hashlib.sha256(handle.read()).hexdigest()
-    if host.get_fact(FileSha256, path=dest) == wanted:
+    if (known(FileState, path=dest) or {}).get("sha256") == wanted:
         host.noop(f"{dest} is up to date")
         return
     quoted, temporary = shlex.quote(dest), shlex.quote(dest + ATOMIC_SUFFIX)
@@ -687,3 +1148,286 @@ def secret_file(src: str, dest: str):
     yield f"mkdir -p $(dirname {quoted}) && umask 077 && : > {temporary} && chmod 600 {temporary}"
     yield FileUploadCommand(src, dest + ATOMIC_SUFFIX)
     yield f"chown root:root {temporary} && {rename_into_place(dest, '600')}"
+
+
+@operation()
+def curl_auth_header(key_file: str, dest: str, rewrite: bool = False):
+    """
+    Write a root-only curl header file (``Authorization: Bearer <key>``) from the API key on the
+    host, for the deploy's own checks (``curl -H @dest``).
+
+    + key_file: the key file on the host (its first line is the key)
+    + dest: the header file, 0600
+    + rewrite: write it even when it exists (the key changes in this run)
+
+    The key never appears in a process's arguments (printf is a shell builtin), and the file is
+    renamed into place: a truncated header would survive every later run.
+    """
+    if not rewrite and known(File, path=dest):
+        host.noop(f"{dest} exists")
+        return
+    yield (
+        f"umask 077; printf 'Authorization: Bearer %s\\n' "
+        f'"$(head -n1 {shlex.quote(key_file)})" > {shlex.quote(dest + ATOMIC_SUFFIX)} '
+        f"&& {rename_into_place(dest, '600')}"
+    )
+
+
+@operation()
+def barrier():
+    """
+    Change nothing. Hosts that call it from one line of the deploy share it as one operation,
+    and pyinfra runs each host's operations in order: so every operation they call before it
+    runs, on every host, before any they call after it.
+    """
+    host.noop("every host before this point is done")
+    yield from ()
+
+
+@operation()
+def machine_owner_key(key: str, certificate: str, common_name: str):
+    """
+    Generate a Machine Owner Key pair on the host for DKMS's module signing: the private key
+    readable by root alone (created under umask 077, never leaving the host), the certificate
+    in DER form as ``mokutil --import`` wants it. An existing pair is kept (its certificate may
+    be enrolled already); a key others can read is made root's alone.
+
+    + key: the private key's path, e.g. ``/var/lib/dkms/mok.key``
+    + certificate: the certificate's path, e.g. ``/var/lib/dkms/mok.pub``
+    + common_name: the certificate's CN, which ``modinfo -F signer`` shows for a signed module
+    """
+    existing = host.get_fact(MokKeyState, key=key, certificate=certificate)
+    quoted_key, quoted_certificate = shlex.quote(key), shlex.quote(certificate)
+    if existing["key_exists"] and existing["certificate_exists"]:
+        if existing["key_mode"] != "600":
+            yield f"chown root:root {quoted_key} && chmod 600 {quoted_key}"
+        else:
+            host.noop(f"Machine Owner Key {key} exists")
+        return
+    subject = shlex.quote(f"/CN={common_name}/")
+    yield (
+        f"mkdir -p {shlex.quote(str(PurePosixPath(key).parent))} && (umask 077 && "
+        "openssl req -new -x509 -nodes -days 36500 -newkey rsa:2048 -sha256 "
+        f"-subj {subject} -keyout {quoted_key} -outform DER -out {quoted_certificate}) "
+        f"&& chmod 644 {quoted_certificate}"
+    )
+
+
+@operation()
+def apt_packages(packages: list[str], no_recommends: bool = False):
+    """
+    Install the packages of ``packages`` that are missing, with apt-get as pyinfra's
+    ``apt.packages`` runs it (non-interactive, keeping changed configuration files); reads only
+    these packages' state (``dpkg-query``), never a listing of every installed package.
+
+    + packages: names, or ``name=version`` to pin a version
+    + no_recommends: don't install recommended packages
+
+    **Example:**
+
+    .. code:: python
+
+        apt_packages(packages=["cmake", "ninja-build"], no_recommends=True)
+    """
+    wanted = [package.partition("=") for package in packages]
+    installed = known(PackageVersions, packages=sorted({name for name, _, _ in wanted}))
+    missing = [
+        package
+        for package, (name, pinned, version) in zip(packages, wanted, strict=True)
+        if installed.get(name) is None or (pinned and installed[name] != version)
+    ]
+    if not missing:
+        host.noop(f"{', '.join(packages)} installed")
+        return
+    install = "install --no-install-recommends" if no_recommends else "install"
+    yield f"{noninteractive_apt(install)} {' '.join(shlex.quote(p) for p in missing)}"
+
+
+@operation()
+def unit_running(unit: str, enabled: bool = True):
+    """
+    Start a systemd unit that is not running and enable it at boot, as pyinfra's
+    ``systemd.service(running=True, enabled=True)``; reads only this unit's state.
+
+    + unit: the unit name, e.g. ``llama-server.service``
+    + enabled: enable it at boot too
+
+    **Example:**
+
+    .. code:: python
+
+        unit_running(unit="llama-server.service")
+    """
+    current = known(UnitState, unit=unit)
+    quoted = shlex.quote(unit)
+    if current["active"]:
+        host.noop(f"{unit} is running")
+    else:
+        yield f"systemctl start -- {quoted}"
+    if enabled and not current["enabled"]:
+        yield f"systemctl enable -- {quoted}"
+
+
+@operation(is_idempotent=False)
+def check_unit_active(unit: str, what: str):
+    """
+    Fail unless a systemd unit is active; changes nothing.
+
+    + unit: the unit name, e.g. ``ggml-rpc-server.service``
+    + what: how the success note names it, e.g. ``on 10.0.0.12:50052``
+
+    **Example:**
+
+    .. code:: python
+
+        check_unit_active(unit="ggml-rpc-server.service", what="on 10.0.0.12:50052")
+    """
+    if known(UnitState, unit=unit)["active"]:
+        host.noop(f"{unit} active {what}")
+        return
+    yield fail_command(f"{unit} is not active (systemctl status {unit})")
+
+
+@operation(is_idempotent=False)
+def check_serving(unit: str, base_url: str):
+    """
+    Fail unless the unit is active, ``/health`` answers 200 and a 4-token completion succeeds
+    (the ``ServerProbe`` fact, from the host itself); changes nothing. Guard it with ``_if=``
+    to skip it after a (re)start whose wait checked the same.
+
+    + unit: the server's unit, e.g. ``llama-server.service``
+    + base_url: e.g. ``http://127.0.0.1:8080``
+
+    **Example:**
+
+    .. code:: python
+
+        check_serving(unit="llama-server.service", base_url="http://127.0.0.1:8080")
+    """
+    active = known(UnitState, unit=unit)["active"]
+    probe = host.get_fact(ServerProbe, base_url=base_url)
+    problems = []
+    if not active:
+        problems.append(f"{unit} is not active (systemctl status {unit})")
+    if probe["health"] != 200:
+        problems.append(f"{base_url}/health answered {probe['health']}, not 200")
+    if not probe["completion_ok"]:
+        problems.append("a 4-token /completion did not succeed")
+    if problems:
+        yield fail_command("; ".join(problems))
+        return
+    speed = probe["tokens_per_second"]
+    host.noop(
+        f"{unit} active, /health 200, completion at "
+        + (f"{speed:.1f} tokens/s" if speed is not None else "an unreported speed")
+    )
+
+
+@operation()
+def apt_lists_fresh(max_age: int = 3600):
+    """
+    ``apt-get update`` when the lists are older than ``max_age`` seconds (or were never
+    updated through the stamp), as pyinfra's ``apt.update(cache_time=max_age)`` does, from one
+    fact rather than two.
+
+    + max_age: seconds the lists stay fresh
+
+    **Example:**
+
+    .. code:: python
+
+        apt_lists_fresh(max_age=3600)
+    """
+    age = known(AptListsAge)
+    if age is not None and age < max_age:
+        host.noop("apt is already up to date")
+        return
+    yield "apt-get update"
+    yield f"touch {APT_UPDATE_STAMP}"
+
+
+@operation()
+def symlink(path: str, target: str):
+    """
+    Point a symbolic link at ``target``, replacing a link that points elsewhere by renaming a
+    new one over it (never a moment without the link); its directory is created when missing.
+
+    + path: the link
+    + target: what it points at
+
+    **Example:**
+
+    .. code:: python
+
+        symlink(path="/opt/llamarig/current", target="/opt/llamarig/builds/0c1e57098bba-1a2b")
+    """
+    link = known(Link, path=path)
+    if link is False:
+        yield fail_command(f"{path} exists and is not a symbolic link")
+        return
+    if link and link["link_target"] == target:
+        host.noop(f"{path} points at {target}")
+        return
+    new = shlex.quote(path + ATOMIC_SUFFIX)
+    parent = shlex.quote(str(PurePosixPath(path).parent))
+    yield (
+        f"mkdir -p {parent} && ln -sfn {shlex.quote(target)} {new} && "
+        f"mv -T {new} {shlex.quote(path)}"
+    )
+
+
+@operation()
+def directory(path: str, mode: str, user: str | None = None, group: str | None = None):
+    """
+    A directory with this mode (and owner), created when missing, as pyinfra's
+    ``files.directory`` makes it.
+
+    + path: the directory
+    + mode: octal permissions, e.g. ``"755"``
+    + user, group: its owner, or None to leave it
+
+    **Example:**
+
+    .. code:: python
+
+        directory(path="/etc/llamarig/hub", mode="700", user="root", group="root")
+    """
+    info = known(Directory, path=path)
+    if info is False:
+        yield fail_command(f"{path} exists and is not a directory")
+        return
+    quoted = shlex.quote(path)
+    commands = [] if info else [f"mkdir -p {quoted}"]
+    if not info or info["mode"] != int(mode):
+        commands.append(f"chmod {mode} {quoted}")
+    if (user and (not info or info["user"] != user)) or (
+        group and (not info or info["group"] != group)
+    ):
+        owner = shlex.quote(user or "") + (f":{shlex.quote(group)}" if group else "")
+        commands.append(f"chown {owner} {quoted}")
+    if not commands:
+        host.noop(f"{path} is a directory with mode {mode}")
+    yield from commands
+
+
+@operation()
+def absent(path: str):
+    """
+    No file at ``path`` (a directory there is an error, as for pyinfra's
+    ``files.file(present=False)``).
+
+    + path: the file
+
+    **Example:**
+
+    .. code:: python
+
+        absent(path="/etc/llamarig/api-key")
+    """
+    info = known(File, path=path)
+    if info is False:
+        yield fail_command(f"{path} exists and is not a file")
+    elif info:
+        yield f"rm -f {shlex.quote(path)}"
+    else:
+        host.noop(f"{path} does not exist")

@@ -9,15 +9,27 @@ its arguments) and `llamarig plan` use this one code path.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamarig import render
-from llamarig.gguf_header import GgufError, GgufHeader, read_gguf_header
+from llamarig import header_cache, render
+from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
 from llamarig.hardware import check_versions, gpu_from_pci_id, same_gpu_name
-from llamarig.memory import CTX_PAD, Device, MemoryPlan, kv_cells, plan_memory
+from llamarig.hubref import HubError, read_token
+from llamarig.memory import (
+    CTX_PAD,
+    CUDA_FA_KV_TYPES,
+    TENSOR_SPLIT_UNSUPPORTED,
+    Device,
+    MemoryPlan,
+    default_reserve_mib,
+    kv_cells,
+    plan_memory,
+)
+from llamarig.shards import sibling_paths, sibling_urls
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
 DEFAULT_DRAFT_MAX = 3
@@ -35,6 +47,90 @@ TENSOR_MODE_LIMITS = (
 VRAM_TOLERANCE = 0.05
 
 
+def choose_split_mode(data: dict, n_gpus: int | None, header: GgufHeader | None) -> tuple[str, str]:
+    """The split mode llama-server gets and why: ``server.split_mode`` unless it is ``auto``,
+    then the fastest mode this rig can run. ``n_gpus``: the GPUs the model is split over (None:
+    not known yet)."""
+    server = data["server"]
+    if server["split_mode"] != "auto":
+        return server["split_mode"], "set in server.split_mode"
+    if data["role"] == "rpc-worker":
+        return "none", "an rpc-worker lends its devices; the head splits the model"
+    if data["role"] == "rpc-head":
+        return "layer", "an rpc-head: RPC devices take whole layers"
+    if data["llama_cpp"]["backend"] != "cuda":
+        return "none", "a cpu build: no GPUs to split over"
+    if n_gpus is None:
+        return "layer", "the GPUs are not known (declare `gpus` or plan with --probe)"
+    if n_gpus == 1:
+        return "none", "one GPU"
+    if header is None:
+        return "layer", "the model's architecture is not known yet (no GGUF header)"
+    if header.architecture in TENSOR_SPLIT_UNSUPPORTED:
+        return "layer", (
+            f"{header.architecture} is refused by -sm tensor at the pinned llama.cpp "
+            "(llm_arch_supports_sm_tensor)"
+        )
+    if server["flash_attn"] == "off":
+        return "layer", "flash_attn is off, and tensor mode forces flash attention on"
+    no_kernel = [
+        t for t in (server["cache_type_k"], server["cache_type_v"]) if t not in CUDA_FA_KV_TYPES
+    ]
+    if no_kernel:
+        return "layer", (
+            f"KV type {no_kernel[0]} has no CUDA flash-attention kernel, which tensor mode needs"
+        )
+    if n_gpus > 2:
+        return "layer", (
+            f"{n_gpus} GPUs: tensor mode on three or more crashed in ggml-backend-meta at some "
+            "builds (llama.cpp #26837) and is not verified at the pinned commit; set "
+            "`split_mode: tensor` to try it"
+        )
+    reason = (
+        "two GPUs: tensor splits every layer, so both cards work on each token (decode at "
+        "batch 1 measured +33% over layer mode on two H200s)"
+    )
+    if not builds_with_nccl(data):
+        reason += "; built without NCCL, the all-reduce is slower (mostly prefill)"
+    return "tensor", reason
+
+
+def builds_with_nccl(data: dict) -> bool:
+    """Whether the CUDA build links NCCL (GGML_CUDA_NCCL; llamarig's default turns it off,
+    since NCCL is not part of the toolkit)."""
+    return data["llama_cpp"]["cmake_options"].get("GGML_CUDA_NCCL") in (True, "ON", "on")
+
+
+# Added to what was measured on the rig: the overhead moves by tens of MiB between starts.
+MEASURED_MARGIN_MIB = 128
+
+
+def reserve_mib(
+    data: dict, split_mode: str, n_devices: int, measured: dict | None = None
+) -> tuple[int, str]:
+    """The per-GPU reserve the plan uses and where it comes from: ``planner.reserve_mib``, else
+    what the deploy measured on this rig for this build and mode (``measured``: the
+    MeasuredOverheads fact), else the default measured on H200s."""
+    reserve = data["planner"]["reserve_mib"]
+    nccl = builds_with_nccl(data)
+    default = default_reserve_mib(split_mode, nccl)
+    on_rig = (measured or {}).get((render.build_id(data), split_mode))
+    if not on_rig or len(on_rig) != n_devices or min(on_rig) < 0:
+        on_rig = None
+    seen = f"{max(on_rig)} MiB measured on this rig after a start of this build" if on_rig else ""
+    if reserve != "auto":
+        return reserve, "planner.reserve_mib" + (f" ({seen})" if seen else "")
+    if on_rig:
+        return max(on_rig) + MEASURED_MARGIN_MIB, (
+            f"{seen} in {split_mode} mode, plus {MEASURED_MARGIN_MIB} (the default would be "
+            f"{default})"
+        )
+    return default, (
+        f"measured on H200s for {split_mode} mode {'with' if nccl else 'without'} NCCL "
+        "(planner.reserve_mib: auto; the deploy measures this rig after its first start)"
+    )
+
+
 @dataclass
 class HostPlan:
     """Everything llamarig decided for one host, and why it would refuse."""
@@ -50,10 +146,21 @@ class HostPlan:
     notes: list[str] = field(default_factory=list)
     # The GPUs llama-server is given (--device), in the order of the memory plan's devices.
     used_gpus: list[dict] = field(default_factory=list)
+    split_mode_reason: str = ""
 
     @property
     def fits(self) -> bool:
         return not self.errors and (self.memory is None or self.memory.fits)
+
+    @property
+    def planned_gpu_indices(self) -> list[int] | None:
+        """nvidia-smi's index of each GPU the memory plan fills, in the plan's device order;
+        None when the plan has no memory for the GPUs llama-server is given (a CPU build, an
+        RPC head's remote devices)."""
+        devices, _ = render.server_devices(self.resolved)
+        if not self.memory or not devices or len(devices) != len(self.memory.devices):
+            return None
+        return [int(name.removeprefix("CUDA")) for name in devices]
 
     @property
     def server_args(self) -> list[str]:
@@ -84,6 +191,7 @@ class HostPlan:
             "warnings": self.warnings,
             "cuda_architectures": self.cuda_architectures or "",
             "split_mode": server["split_mode"],
+            "split_mode_reason": self.split_mode_reason,
             "tensor_split": list(server["tensor_split"] or []),
             "ctx": server["ctx"],
             "devices": devices,
@@ -108,6 +216,8 @@ class HostPlan:
             )
         if self.cuda_architectures:
             lines.append(f"  CUDA architectures: {self.cuda_architectures}")
+        if self.resolved["role"] != "rpc-worker":
+            lines.append(f"  split mode {server['split_mode']}: {self.split_mode_reason}")
         if self.memory:
             ratio = ", ".join(f"{share:.3f}" for share in self.memory.ratio)
             lines.append(
@@ -185,54 +295,95 @@ def compare_gpus(declared: list[dict], found: list[dict], where: str) -> list[st
     return problems
 
 
-def fetch_header(url: str) -> GgufHeader:
-    """Read a model's GGUF header over HTTP with range requests, growing the read as needed."""
+def fetch_header(url: str, token: str | None = None, sha256: str | None = None) -> GgufHeader:
+    """Read a model's GGUF header over HTTP with range requests, growing the read as needed;
+    ``token`` (a Hugging Face token) is sent to ``url`` alone, never across a redirect. With
+    ``sha256`` (the file's) the header is kept on this machine and not fetched again."""
+    kept = header_cache.cached(sha256, name=url)
+    if kept is not None:
+        return kept
     size = HEADER_FIRST_READ
     while True:
         request = urllib.request.Request(url, headers={"Range": f"bytes=0-{size - 1}"})
+        if token:
+            request.add_unredirected_header("Authorization", f"Bearer {token}")
         with urllib.request.urlopen(request, timeout=60) as response:
             data = response.read(size)
         try:
-            return read_gguf_header(data, name=url)
+            header = read_gguf_header(data, name=url)
         except GgufError as error:
             if "truncated" not in str(error) or len(data) < size or size >= HEADER_MAX_READ:
                 raise
             size *= 4
+            continue
+        header_cache.keep(sha256, data, header)
+        return header
+
+
+def shard_digests(model: dict, count: int) -> list[str | None]:
+    """The sha256 given for each of a model's ``count`` files (None where none is given)."""
+    sha256 = model.get("sha256")
+    return list(sha256) if isinstance(sha256, list) else [sha256] * count
 
 
 def load_header(data: dict, model_path: str | None = None) -> tuple[GgufHeader | None, str]:
-    """The model header for planning: a local file, else the configured URL. Returns
-    (header, "") or (None, why it cannot be had); raises GgufError when the local file named
-    by ``model_path`` is missing or not a GGUF header."""
+    """The model header for planning: a local file, else the configured URL; for a split
+    model (named by its first shard) every shard's header, merged. Returns (header, "") or
+    (None, why it cannot be had); raises GgufError when the local file named by
+    ``model_path`` (or a shard beside it) is missing or not a GGUF header."""
     if model_path:  # the user's own copy: a file that cannot be read is an error, not a note
-        try:
-            with open(model_path, "rb") as model:
-                return read_gguf_header(model, name=model_path), ""
-        except OSError as error:
-            raise GgufError(
-                f"{model_path}: cannot be read ({error.strerror or error}); give --model the "
-                "path of a local copy of the model"
-            ) from None
+        headers = []
+        for path in sibling_paths(model_path):
+            try:
+                with open(path, "rb") as model:
+                    headers.append(read_gguf_header(model, name=path))
+            except OSError as error:
+                raise GgufError(
+                    f"{path}: cannot be read ({error.strerror or error}); give --model the "
+                    "path of a local copy of the model (a split model's shards beside it)"
+                ) from None
+        return merge_split(headers), ""
     url = data["model"]["url"]
     if not url:
         return None, "the model is a file on the host (plan with --model PATH, a local copy)"
+    model = data["model"]
     try:
-        return fetch_header(url), ""
+        token = read_token(model["token_file"]) if model.get("token_file") else None
+        shards = sibling_urls(url)
+        digests = shard_digests(model, len(shards))
+        return merge_split(
+            [
+                fetch_header(shard, token, digest)
+                for shard, digest in zip(shards, digests, strict=True)
+            ]
+        ), ""
+    except HubError as error:
+        return None, f"cannot read the GGUF header from {url}: {error}"
     except (urllib.error.URLError, OSError, GgufError) as error:
         return None, f"cannot read the GGUF header from {url}: {error}"
 
 
-# A GGUF header with a 250k-token vocabulary is about 10 MiB; it travels base64 over SSH.
+# A GGUF header with a 250k-token vocabulary is about 10 MiB; it travels base64 over SSH (slow:
+# 16 MiB in 20 s), so a small read comes first and the header is kept (llamarig.header_cache).
+HOST_HEADER_FIRST_READ = 1 << 20
 HOST_HEADER_READ = 16 << 20
 
 
-def header_from_host(head: bytes | None, path: str, reason: str) -> tuple[GgufHeader | None, str]:
-    """The header in the first bytes of the model file on the host (None: no such file), or
-    None with why it cannot be had (``reason``: why the URL gave none)."""
-    if head is None:
-        return None, f"{reason}; {path} is not on the host yet"
+def header_from_host(
+    heads: list[tuple[GgufHeader | GgufError | None, str]], reason: str
+) -> tuple[GgufHeader | None, str]:
+    """The header of the model's files on the host, ``(header, the error reading it, or None
+    when the file is missing; path)`` per file (each shard of a split model), merged; or None
+    with why it cannot be had (``reason``: why the URL gave none)."""
+    missing = [path for head, path in heads if head is None]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        return None, f"{reason}; {', '.join(missing)} {verb} not on the host yet"
     try:
-        return read_gguf_header(head, name=path), ""
+        for head, _ in heads:
+            if isinstance(head, GgufError):
+                raise head
+        return merge_split([head for head, _ in heads]), ""
     except GgufError as error:
         return None, f"{reason}; {error}"
 
@@ -272,6 +423,7 @@ def plan_host(
     probed_gpus: list[dict] | None = None,
     gpu_source: str = "probed",
     driver_version: str | None = None,
+    measured_overheads: dict | None = None,
 ) -> HostPlan:
     """Plan one host. ``probed_gpus`` (nvidia-smi or PCI records) win over the declaration,
     which is then checked against them."""
@@ -324,6 +476,11 @@ def plan_host(
         )
 
     plan = HostPlan(name, resolved, gpus, source, architectures, None, errors, warnings)
+    shares = server["tensor_split"]
+    n_gpus = sum(1 for share in shares if share) if isinstance(shares, list) else len(gpus)
+    server["split_mode"], plan.split_mode_reason = choose_split_mode(
+        data, n_gpus if gpus else None, header
+    )
     if header is not None and data["role"] != "rpc-worker":
         problem = trained_context_problem(server, header)
         if problem:
@@ -368,7 +525,7 @@ def plan_host(
     used = [{**g, "name": f"{g['name']} ({g['worker']})"} for g in worker_gpus] + list(gpus)
     caps = [g.get("usable_mib") for g in worker_gpus] + local_caps
     devices = [
-        Device(g["name"], min(g["vram_mib"], cap or 1 << 30), limits["reserve_mib"])
+        Device(g["name"], min(g["vram_mib"], cap or 1 << 30))
         for g, cap in zip(used, caps, strict=True)
     ]
     split_mode = server["split_mode"]
@@ -382,11 +539,13 @@ def plan_host(
     if split_mode == "none" and len(devices) > 1:
         devices, used = devices[:1], used[:1]
     plan.used_gpus = used
-    try:
-        memory = plan_memory(
+
+    def planned(mode: str) -> MemoryPlan:
+        reserve, _ = reserve_mib(resolved, mode, len(devices), measured_overheads)
+        return plan_memory(
             header,
-            devices,
-            split_mode=split_mode,
+            [dataclasses.replace(device, reserve_mib=reserve) for device in devices],
+            split_mode=mode,
             tensor_split=requested,
             ctx=server["ctx"],
             n_parallel=server["parallel"],
@@ -399,10 +558,24 @@ def plan_host(
             # a count plans a partial offload; all and auto offload every layer
             n_gpu_layers=server["gpu_layers"] if isinstance(server["gpu_layers"], int) else None,
         )
+
+    try:
+        memory = planned(split_mode)
+        if data["server"]["split_mode"] == "auto" and split_mode == "tensor" and not memory.fits:
+            # Tensor mode holds more per card (the all-reduce's buffers): layer may still fit.
+            layered = planned("layer")
+            if layered.fits:
+                memory, split_mode = layered, "layer"
+                server["split_mode"] = "layer"
+                plan.split_mode_reason = (
+                    "tensor mode does not fit these GPUs' memory and layer mode does"
+                )
     except ValueError as error:
         errors.append(str(error))
         return plan
     plan.memory = memory
+    reserve, origin = reserve_mib(resolved, split_mode, len(devices), measured_overheads)
+    plan.notes.append(f"reserve {reserve} MiB per GPU beyond llama.cpp's buffers: {origin}")
     server["ctx"] = memory.ctx
     if split_mode == "none":
         # One card: llama.cpp ignores -ts there, so the plan has no split to pass.

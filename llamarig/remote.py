@@ -11,11 +11,25 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from llamarig import header_cache
 from llamarig.config import HostConfig, expand_path, strict_host_key_checking
-from llamarig.facts import FileHead, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.gguf_header import GgufHeader
-from llamarig.plan import HOST_HEADER_READ, gpus_from_pci, header_from_host, load_header
-from llamarig.render import layout
+from llamarig.config.derived import ModelFile, model_files
+from llamarig.facts import (
+    FileHead,
+    FileIdentity,
+    MeasuredOverheads,
+    NvidiaPciDevices,
+    NvidiaSmiGpus,
+)
+from llamarig.gguf_header import GgufError, GgufHeader, read_gguf_header
+from llamarig.plan import (
+    HOST_HEADER_FIRST_READ,
+    HOST_HEADER_READ,
+    gpus_from_pci,
+    header_from_host,
+    load_header,
+)
+from llamarig.render import OVERHEADS_DIR
 
 
 @dataclass(frozen=True)
@@ -161,6 +175,7 @@ class Gathered:
     header: GgufHeader | None = None
     header_note: str = ""
     warnings: list[str] = field(default_factory=list)  # PCI ids not in llamarig's table
+    measured_overheads: dict | None = None  # what the deploy measured after earlier starts
 
     def plan_inputs(self) -> dict:
         return {
@@ -169,6 +184,7 @@ class Gathered:
             "probed_gpus": self.probed_gpus,
             "gpu_source": self.gpu_source,
             "driver_version": self.driver_version,
+            "measured_overheads": self.measured_overheads,
         }
 
 
@@ -188,11 +204,36 @@ def gather(
             found, gathered.warnings = gpus_from_pci(reader(NvidiaPciDevices) or [])
             gathered.probed_gpus, gathered.gpu_source = found or None, "PCI ids"
     if data["llama_cpp"]["backend"] == "cuda":
+        if gpus and reader is not None:  # what earlier starts measured on these GPUs
+            gathered.measured_overheads = reader(MeasuredOverheads, path=OVERHEADS_DIR)
         gathered.header, gathered.header_note = load_header(data, model)
         if gathered.header is None and reader is not None:
-            path = layout(data)["model"]
-            head = reader(FileHead, path=path, size=HOST_HEADER_READ)
-            gathered.header, gathered.header_note = header_from_host(
-                head, path, gathered.header_note
-            )
+            heads = [(host_header(reader, file), file.dest) for file in model_files(data)]
+            gathered.header, gathered.header_note = header_from_host(heads, gathered.header_note)
     return gathered
+
+
+def host_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:
+    """The GGUF header of a model file on the host, the error reading it, or None when the
+    file is not there: kept on this machine by the file's sha256, else by its path and
+    identity (``llamarig.header_cache``); else read over the connection, a small read first
+    and the rest only for a large header."""
+    key = file.sha256 or header_cache.identity_key(file.dest, reader(FileIdentity, path=file.dest))
+    kept = header_cache.cached(key, name=file.dest)
+    if kept is not None:
+        return kept
+    header: GgufHeader | GgufError | None = None
+    for size in (HOST_HEADER_FIRST_READ, HOST_HEADER_READ):
+        head = reader(FileHead, path=file.dest, size=size)
+        if head is None:
+            return None
+        try:
+            header = read_gguf_header(head, name=file.dest)
+            break
+        except GgufError as error:  # truncated, or damaged: a larger read says which
+            header = error
+            if len(head) < size:  # the whole file was read
+                break
+    if isinstance(header, GgufHeader):
+        header_cache.keep(key, head, header)
+    return header

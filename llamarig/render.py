@@ -15,17 +15,20 @@ from typing import Any
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
-from llamarig import PROJECT_DIR
+from llamarig import project_dir
 from llamarig.config import WILDCARD_HOSTS, model_filename
 from llamarig.hardware import cuda_architectures
 
-TEMPLATES_DIR = PROJECT_DIR / "files"
+TEMPLATES_DIR = project_dir("files")
 BUILD_COMPLETE_MARKER = ".llamarig-build.json"
 RPC_SERVER = "ggml-rpc-server"
 # The API key on the host (root only), and a curl header file made from it for the deploy's own
 # checks (curl -H @FILE keeps the key out of every command line).
 API_KEY_PATH = "/etc/llamarig/api-key"
 API_KEY_HEADER_PATH = "/etc/llamarig/api-key.header"
+# What nvidia-smi showed per GPU beyond the plan's buffers after a start, one file per build and
+# split mode (`BUILD.MODE`: the MiB of each used GPU, in the plan's device order).
+OVERHEADS_DIR = "/var/lib/llamarig/gpu-overheads"
 CURL_AUTH = f'$([ -f {API_KEY_HEADER_PATH} ] && echo "-H @{API_KEY_HEADER_PATH}")'
 # The character-device groups (names in /proc/devices) of the NVIDIA driver that a CUDA process
 # opens, for the DeviceAllow= lines of the server and RPC worker units (DevicePolicy=closed):
@@ -119,6 +122,7 @@ def layout(data: dict) -> dict[str, str]:
         "launcher": str(prefix / "bin" / data["server"]["service"]),
         # Copies of unit, env file and `current` target of the last version that served.
         "last_good": f"/var/lib/llamarig/last-good/{data['server']['service']}",
+        "overheads": OVERHEADS_DIR,
         "env_file": data["paths"]["env_file"],
     }
 
@@ -152,6 +156,8 @@ def build_manifest(data: dict) -> dict:
 def server_args(data: dict) -> list[str]:
     """The complete llama-server command line (without secrets, which go through files)."""
     server = data["server"]
+    if server["split_mode"] == "auto":
+        raise ValueError("split_mode auto is resolved by the plan (plan.plan_host) first")
     gpu = data["llama_cpp"]["backend"] == "cuda"
     paths = layout(data)
     # Short flags, as in llama.cpp's docs and the seed articles.
@@ -184,17 +190,7 @@ def server_args(data: dict) -> list[str]:
     if gpu or endpoints:
         # RPC devices take layers like GPUs do, also on a head built for the CPU.
         args += ["-ngl", str(server["gpu_layers"]), "-sm", server["split_mode"]]
-        # A head's --device would leave out the RPC devices (llama.cpp lists them first).
-        devices = cuda_device_names(data["gpus"]) if data["gpus"] and not endpoints else []
-        shares = server["tensor_split"]
-        if isinstance(shares, list) and devices and 0 in shares:
-            # A card left in with a zero share still holds memory (about 2.8 GB in tensor
-            # mode): leave it out of --device instead.
-            devices = [name for name, share in zip(devices, shares, strict=True) if share]
-            shares = [share for share in shares if share]
-        if server["split_mode"] == "none":
-            # One card: without -dev llama.cpp would still open a context on every GPU.
-            devices = devices[:1]
+        devices, shares = server_devices(data)
         if devices:
             args += ["-dev", ",".join(devices)]
         if shares is not None:
@@ -226,6 +222,24 @@ def pci_sort_key(bus_id: str) -> tuple[int, ...]:
     domain, bus, rest = (["0000"] + bus_id.split(":"))[-3:]
     device, function = rest.split(".")
     return tuple(int(part, 16) for part in (domain, bus, device, function))
+
+
+def server_devices(data: dict) -> tuple[list[str], list | None]:
+    """The CUDA devices llama-server is given (--device) and their shares (-ts)."""
+    server = data["server"]
+    endpoints = data["rpc"].get("endpoints") if data["role"] == "rpc-head" else None
+    # A head's --device would leave out the RPC devices (llama.cpp lists them first).
+    devices = cuda_device_names(data["gpus"]) if data["gpus"] and not endpoints else []
+    shares = server["tensor_split"]
+    if isinstance(shares, list) and devices and 0 in shares:
+        # A card left in with a zero share still holds memory (about 2.8 GB in tensor mode):
+        # leave it out of --device instead.
+        devices = [name for name, share in zip(devices, shares, strict=True) if share]
+        shares = [share for share in shares if share]
+    if server["split_mode"] == "none":
+        # One card: without -dev llama.cpp would still open a context on every GPU.
+        devices = devices[:1]
+    return devices, shares
 
 
 def cuda_device_names(gpus: list[dict]) -> list[str]:
@@ -281,19 +295,19 @@ def _systemd_c_quoted(text: str) -> str:
     return f'"{escaped}"'
 
 
-def systemd_quote(arg: str) -> str:
-    """Quote one argument for an ExecStart= line (systemd's own rules, not the shell's): %% and
-    $$ are a literal % and $."""
-    escaped = arg.replace("%", "%%").replace("$", "$$")
-    if escaped and all(ch.isalnum() or ch in "-_./:,=+@" for ch in escaped):
-        return escaped
-    return _systemd_c_quoted(escaped)
-
-
 def systemd_specifiers(text: str) -> str:
     """``text`` with systemd's specifier character escaped (a value in a unit line where
     systemd expands %-specifiers: a path, an environment assignment)."""
     return text.replace("%", "%%")
+
+
+def systemd_quote(arg: str) -> str:
+    """Quote one argument for an ExecStart= line (systemd's own rules, not the shell's): %% and
+    $$ are a literal % and $."""
+    escaped = systemd_specifiers(arg).replace("$", "$$")
+    if escaped and all(ch.isalnum() or ch in "-_./:,=+@" for ch in escaped):
+        return escaped
+    return _systemd_c_quoted(escaped)
 
 
 def systemd_environment(key: str, value: str) -> str:
@@ -433,13 +447,19 @@ def running_differs(data: dict, running: dict) -> list[str]:
     return reasons
 
 
+def foreground_args(data: dict) -> list[str]:
+    """The command line of the server run outside the unit, as root (the launcher, tune's
+    temporary servers): the API key read straight from its root-only file."""
+    return _with_api_key(data, API_KEY_PATH)
+
+
 def render_launcher(data: dict) -> str:
     """The launcher script: the unit's command line and environment, run in the foreground.
 
     `llamarig run` starts it where no systemd runs the server (a container) or to debug a rig;
     it runs as the caller (root), without the unit's sandbox.
     """
-    args = _with_api_key(data, API_KEY_PATH)
+    args = foreground_args(data)
     environment = service_environment(data)
     home = shlex.quote(environment["HOME"])
     lines = [

@@ -1,37 +1,65 @@
-"""Shared helpers of the deploy stages in tasks/: the host's rig data and cross-stage changes.
+"""Shared helpers of the deploy stages in tasks/: the host's rig data and plan, the host's
+state read in two round trips, a refusal, a service kept running, the builds pruned.
 
-pyinfra prepares each host by running deploy.py for it; stages record the operations whose
-change must restart the server here, keyed by host, so a later stage can guard on them.
+pyinfra prepares each host by running deploy.py for it; the rig data and plan are kept per host
+so that every stage reads the one validated copy.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Callable
 
 from pyinfra import host
 from pyinfra.api.exceptions import DeployError
 from pyinfra.api.operation import OperationMeta
 from pyinfra.connectors.local import LocalConnector
-from pyinfra.operations import systemd
+from pyinfra.facts.files import Directory, File, FileContents, Link
+from pyinfra.facts.git import GitLocalCommit
+from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 
-from llamarig import operations
+from llamarig import boot, checksums, operations, render
 from llamarig.config import ConfigError, rig_data
+from llamarig.config.derived import model_files
+from llamarig.facts import (
+    AptListsAge,
+    BuildDirectories,
+    FileIdentity,
+    FileState,
+    FirmwareBoot,
+    JsonFile,
+    MeasuredOverheads,
+    MissingCommands,
+    NvidiaPciDevices,
+    NvidiaSmiGpus,
+    PackageVersions,
+    RecordedSha256,
+    RunningService,
+    UnitState,
+    known,
+    prefetch,
+)
+from llamarig.hubref import HubError
+from llamarig.model_lock import resolved
+from llamarig.packages import BUILD_DEPENDENCIES, build_tools
 from llamarig.plan import HostPlan, plan_host
 from llamarig.remote import gather
 
 _rigs: dict[str, dict] = {}
 _plans: dict[str, HostPlan] = {}
-_recorded: dict[str, dict[str, list[OperationMeta]]] = defaultdict(lambda: defaultdict(list))
 
 
 def rig() -> dict:
-    """The validated rig data of the host being prepared."""
+    """The validated rig data of the host being prepared, a Hugging Face reference resolved
+    (on this machine, through models.lock.yml) into the URL and sha256 the download uses."""
     if host.name not in _rigs:
         try:
-            _rigs[host.name] = rig_data(host.data.dict())
+            data = rig_data(host.data.dict())
         except ConfigError as error:
             refuse(error.problems)
+        try:
+            _rigs[host.name] = data if data["role"] == "rpc-worker" else resolved(data)
+        except HubError as error:
+            refuse([f"{'.'.join(error.key_path)}: {error.message}"])
     return _rigs[host.name]
 
 
@@ -40,24 +68,80 @@ def plan() -> HostPlan:
     GGUF header (read from the model's URL, else from the file on the host)."""
     if host.name not in _plans:
         data = rig()
-        gathered = gather(data, host.get_fact, gpus=data["llama_cpp"]["backend"] == "cuda")
+        gathered = gather(data, known, gpus=data["llama_cpp"]["backend"] == "cuda")
         for warning in gathered.warnings:
             host.noop(warning)
         _plans[host.name] = plan_host(host.name, data, **gathered.plan_inputs())
     return _plans[host.name]
 
 
+def read_system() -> None:
+    """The facts preflight and the plan read (operating system, kernel, firmware, GPUs, the
+    identity of a model file without a sha256, the key of its kept header), in one round trip."""
+    data = rig()
+    requests = [
+        (LinuxDistribution, {}),
+        (Arch, {}),
+        (KernelVersion, {}),
+        (FirmwareBoot, {}),
+        (NvidiaPciDevices, {}),
+        (NvidiaSmiGpus, {}),
+    ]
+    if data["llama_cpp"]["backend"] == "cuda":
+        requests.append((MeasuredOverheads, {"path": render.OVERHEADS_DIR}))
+        if data["role"] != "rpc-worker":
+            unchecked = [file.dest for file in model_files(data) if not file.sha256]
+            requests += [(FileIdentity, {"path": path}) for path in unchecked]
+    prefetch(requests)
+
+
+def read_managed_state() -> None:
+    """What the stages' operations read of the files, packages, units and builds llamarig
+    manages, in one round trip; on a run that changes nothing they read no more."""
+    data = plan().resolved
+    paths = render.layout(data)
+    service = f"{data['server']['service']}.service"
+    small_files = [paths["unit"], paths["env_file"], paths["launcher"], paths["rpc_unit"]]
+    if data["driver"]["source"] != "none" and data["kernel_modules"]["manage"]:
+        small_files += [boot.BLACKLIST_PATH, boot.MODULES_LOAD_PATH]
+    requests = [(FileState, {"path": path}) for path in small_files] + [
+        (AptListsAge, {}),
+        (Link, {"path": paths["current"]}),
+        (JsonFile, {"path": paths["build_marker"]}),
+        (GitLocalCommit, {"repo": paths["source"]}),
+        (BuildDirectories, {"path": paths["builds"]}),
+        (FileContents, {"path": f"{paths['last_good']}/current"}),
+        (RunningService, {"service": service, "model": paths["model"]}),
+        (UnitState, {"unit": service}),
+        (UnitState, {"unit": f"{data['rpc']['service']}.service"}),
+    ]
+    if data["llama_cpp"]["build_dependencies"] == "apt":
+        requests.append((PackageVersions, {"packages": sorted(BUILD_DEPENDENCIES)}))
+    else:
+        tools = build_tools(data["llama_cpp"]["ccache"])
+        requests.append((MissingCommands, {"commands": tools}))
+    if data["cuda"]["source"] == "preinstalled":
+        requests.append((File, {"path": render.nvcc_path(data)}))
+    if data["role"] != "rpc-worker":
+        records = checksums.RECORD_DIRECTORY
+        requests += [
+            (RecordedSha256, {"path": shard.dest, "records": records})
+            for shard in model_files(rig())
+        ]
+        if not data["model"]["path"]:
+            requests.append((Directory, {"path": data["paths"]["models"]}))
+    # The key is copied when one is given (its mode and digest), else removed (it exists?).
+    key_fact = FileState if data["server"]["api_key_file"] else File
+    requests += [
+        (key_fact, {"path": render.API_KEY_PATH}),
+        (File, {"path": render.API_KEY_HEADER_PATH}),
+    ]
+    prefetch(requests)
+
+
 def refuse(problems: list[str]) -> None:
     """Stop before anything is changed, with every problem on its own line."""
     raise DeployError("\n".join(f"{host.name}: {problem}" for problem in problems))
-
-
-def record(kind: str, *operations: OperationMeta) -> None:
-    _recorded[host.name][kind].extend(operations)
-
-
-def recorded(kind: str) -> list[OperationMeta]:
-    return list(_recorded[host.name][kind])
 
 
 def is_local() -> bool:
@@ -70,12 +154,22 @@ def service_running(
 ) -> tuple[OperationMeta, OperationMeta]:
     """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
     inputs) unless this run just started it; returns the start and the restart."""
-    started = systemd.service(
-        name=f"{service} enabled and running", service=service, running=True, enabled=True
-    )
+    started = operations.unit_running(name=f"{service} enabled and running", unit=service)
     restarted = operations.restart_service(
         name=f"Restart {service} ({why})",
         service=service,
         _if=lambda: out_of_date() and not started.did_change(),
     )
     return started, restarted
+
+
+def prune_builds(data: dict) -> OperationMeta:
+    """Delete the builds beyond ``keep_builds``, never the current one or the last that served."""
+    paths = render.layout(data)
+    return operations.prune_builds(
+        name=f"Keep the newest {data['llama_cpp']['keep_builds']} builds",
+        builds=paths["builds"],
+        keep=data["llama_cpp"]["keep_builds"],
+        current=paths["build"],
+        last_good=(known(FileContents, path=f"{paths['last_good']}/current") or [None])[0],
+    )

@@ -11,8 +11,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llamarig import PACKAGE_DIR, PROJECT_DIR, render
+from llamarig import PACKAGE_DIR, PROJECT_DIR, checksums, render
 from llamarig.config import HostConfig
+from llamarig.config.derived import model_files
+from llamarig.config.problems import Problem, located
+from llamarig.hubref import HubError
+from llamarig.model_lock import resolved
 from llamarig.plan import plan_host
 from llamarig.remote import SshTarget, gather, shell_reader, ssh_alias
 
@@ -20,15 +24,31 @@ from llamarig.remote import SshTarget, gather, shell_reader, ssh_alias
 SUITE = PACKAGE_DIR / "checks"
 
 
-def expectations(host_config: HostConfig) -> dict:
-    """What the suite checks the host against: the planned data and values derived from it."""
-    # The model header resolves `auto` context and split exactly as the deploy did.
-    gathered = gather(host_config.data, shell_reader(host_config.data), gpus=False)
-    plan = plan_host(host_config.name, host_config.data, **gathered.plan_inputs())
+def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
+    """What the suite checks the host against: the planned data and values derived from it;
+    ``rehash``: hash the model files even where a checksum record says they are unchanged."""
+    # A Hugging Face reference as the deploy resolved it (models.lock.yml); the GPUs and the
+    # model header resolve `auto` context, split mode and ratio exactly as the deploy did.
+    resolved_data = resolved(host_config.data)
+    cuda = resolved_data["llama_cpp"]["backend"] == "cuda"
+    gathered = gather(resolved_data, shell_reader(resolved_data), gpus=cuda)
+    plan = plan_host(host_config.name, resolved_data, **gathered.plan_inputs())
     data = plan.resolved
+    indices = plan.planned_gpu_indices
+    memory = None
+    if indices:
+        memory = [
+            {"index": index, "name": device.name, "planned_mib": device.planned_mib}
+            for index, device in zip(indices, plan.memory.devices, strict=True)
+        ]
+    files = [] if data["role"] == "rpc-worker" else model_files(resolved_data)
     return {
         "name": host_config.name,
         "data": data,
+        "memory": memory,
+        "model_files": [{"path": file.dest, "sha256": file.sha256} for file in files],
+        "rehash": rehash,
+        "checksum_records": checksums.RECORD_DIRECTORY,
         "derived": {
             "base_url": render.base_url(data),
             "nvcc": render.nvcc_path(data),
@@ -39,12 +59,18 @@ def expectations(host_config: HostConfig) -> dict:
     }
 
 
-def verify_host(host_config: HostConfig, pytest_args: list[str]) -> int:
-    """Run the suite against one host; returns pytest's exit status."""
+def verify_host(host_config: HostConfig, pytest_args: list[str], rehash: bool = False) -> int:
+    """Run the suite against one host; returns pytest's exit status. ``rehash``: hash every
+    model file, not trusting the checksum records."""
     ssh = host_config.data.get("ssh") or {}
+    try:
+        expected = expectations(host_config, rehash)
+    except HubError as error:
+        print(f"llamarig: {located(host_config, Problem(error.key_path, error.message))}")
+        return 2
     with tempfile.TemporaryDirectory(prefix="llamarig-verify-") as scratch:
         data_file = Path(scratch) / "rig.json"
-        data_file.write_text(json.dumps(expectations(host_config)))
+        data_file.write_text(json.dumps(expected))
         if ssh.get("local"):
             target = ["--hosts=local://"]
         else:

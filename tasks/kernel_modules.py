@@ -3,54 +3,52 @@ rebuild the initramfs when the blacklist changed, and reboot by the rig's policy
 
 from io import StringIO
 
-from pyinfra import host
+from pyinfra import api, host
+from pyinfra.api.operation import OperationMeta
 from pyinfra.operations import server
 from pyinfra.operations.util import any_changed
 
-from llamarig import operations, render, stage
+from llamarig import boot, operations, render, stage
 
-rig = stage.rig()
 
-if rig["driver"]["source"] == "none":
-    host.noop("no NVIDIA driver wanted: kernel modules left as they are")
-elif not rig["kernel_modules"]["manage"]:
-    host.noop("kernel_modules.manage is false: modules, initramfs and reboots left to the host")
-else:
+@api.deploy("tasks/kernel_modules.py")
+def deploy(reboot_on: list[OperationMeta]) -> None:
+    """``reboot_on``: the earlier operations whose change needs a reboot (the driver's)."""
+    rig = stage.rig()
+    if rig["driver"]["source"] == "none":
+        host.noop("no NVIDIA driver wanted: kernel modules left as they are")
+        return
+    if not rig["kernel_modules"]["manage"]:
+        host.noop("kernel_modules.manage is false: modules, initramfs and reboots left to the host")
+        return
     blacklist = operations.atomic_file(
         name="Blacklist nouveau, nova_core and nova",
         src=StringIO(render.render_file("modprobe-blacklist.conf.j2")),
-        dest="/etc/modprobe.d/llamarig-blacklist-nouveau-nova.conf",
+        dest=boot.BLACKLIST_PATH,
         mode="644",
     )
     operations.atomic_file(
         name="Load nvidia and nvidia_uvm at boot (the service needs /dev/nvidia-uvm)",
-        src=StringIO("# Managed by llamarig\nnvidia\nnvidia_uvm\n"),
-        dest="/etc/modules-load.d/llamarig-nvidia.conf",
+        src=StringIO(
+            render.render_file("modules-load-nvidia.conf.j2", modules=boot.LOADED_AT_BOOT)
+        ),
+        dest=boot.MODULES_LOAD_PATH,
         mode="644",
     )
     server.shell(
         name="Rebuild the initramfs (the blacklist changed)",
-        commands=[
-            "if command -v update-initramfs >/dev/null; then update-initramfs -u -k all; "
-            "elif command -v dracut >/dev/null; then dracut -f --regenerate-all; "
-            "else echo 'no initramfs tool on this host: nothing to rebuild'; fi"
-        ],
+        commands=[boot.REBUILD_INITRAMFS],
         _if=blacklist.did_change,
     )
-    stage.record("reboot", blacklist)
-
-    policy = rig["reboot"]
-    needs_reboot = stage.recorded("reboot")
-    if stage.is_local():
-        if any(operation.will_change for operation in needs_reboot) or policy == "always":
-            host.noop("a reboot is needed to load the new modules; @local is never rebooted")
-    elif policy == "never":
-        if any(operation.will_change for operation in needs_reboot):
-            host.noop("reboot policy `never`: reboot this host to load the new modules")
-    elif policy == "always":
-        operations.reboot(name="Reboot (policy `always`)")
-    else:
+    needs_reboot = [*reboot_on, blacklist]
+    step = boot.reboot_step(
+        rig["reboot"],
+        local=stage.is_local(),
+        may_change=any(operation.will_change for operation in needs_reboot),
+    )
+    if step.note:
+        host.noop(step.note)
+    if step.reboot:
         operations.reboot(
-            name="Reboot to load the new modules (policy `if-needed`)",
-            _if=any_changed(*needs_reboot),
+            name=step.reboot, _if=any_changed(*needs_reboot) if step.only_if_changed else []
         )

@@ -1,28 +1,78 @@
 """Model: download resumably and checksummed into the models directory, or use a file that is
-already on the host."""
+already on the host; every shard of a split model, each checked, before the server changes."""
 
-from pyinfra import host
+import io
+
+from pyinfra import api, host
+from pyinfra.api.operation import OperationMeta
 from pyinfra.operations import files
 
-from llamarig import operations, render, stage
+from llamarig import operations, stage
+from llamarig.config.derived import model_files
+from llamarig.hubref import read_token
 
-rig = stage.rig()
-model = rig["model"]
+# The Hugging Face token's only copy on a host: root's alone, read by curl as a header file.
+# It is uploaded into a directory only root may enter, so no one else can read it even before
+# its own mode is set.
+TOKEN_DIRECTORY = "/etc/llamarig/hub"
+TOKEN_HEADER_FILE = f"{TOKEN_DIRECTORY}/authorization-header"
 
-if rig["role"] == "rpc-worker":
-    host.noop("rpc-worker: the head holds the model and sends the worker its tensors")
-elif model["path"]:
-    operations.check_file(
-        name=f"Model file {model['path']} on the host", path=model["path"], sha256=model["sha256"]
-    )
-else:
-    files.directory(name="Models directory", path=rig["paths"]["models"], mode="755")
-    stage.record(
-        "server",
+
+@api.deploy("tasks/model.py")
+def deploy() -> list[OperationMeta]:
+    """Returns the downloads (none for a file already on the host or an RPC worker): when one
+    changes, the server must restart."""
+    rig = stage.rig()
+    model = rig["model"]
+
+    if rig["role"] == "rpc-worker":
+        host.noop("rpc-worker: the head holds the model and sends the worker its tensors")
+        return []
+    shards = model_files(rig)
+    if model["path"]:
+        for shard in shards:
+            operations.check_file(
+                name=f"Model file {shard.dest} on the host",
+                path=shard.dest,
+                sha256=shard.sha256,
+                rehash=model["rehash"],
+            )
+        return []
+    operations.directory(name="Models directory", path=rig["paths"]["models"], mode="755")
+    header_file = None
+    if model["hf"] and model["token_file"]:
+        header_file = TOKEN_HEADER_FILE
+        operations.directory(
+            name=f"Root-only {TOKEN_DIRECTORY}",
+            path=TOKEN_DIRECTORY,
+            user="root",
+            group="root",
+            mode="700",
+        )
+        files.put(
+            name=f"Hugging Face token for the download ({header_file}, root only)",
+            src=io.StringIO(f"Authorization: Bearer {read_token(model['token_file'])}\n"),
+            dest=header_file,
+            user="root",
+            group="root",
+            mode="600",
+        )
+    # A file in place without a valid record (from before records, changed on the host, or
+    # model.rehash) is hashed here, so a digest that matches changes no download and restarts
+    # nothing; fetch_checked then reads the record.
+    for shard in shards:
+        operations.record_checksum(
+            name=f"Checksum of {shard.dest} (hashed only when it changed)",
+            path=shard.dest,
+            rehash=model["rehash"],
+        )
+    return [
         operations.fetch_checked(
-            name=f"Model {render.layout(rig)['model']} (sha256 checked)",
-            url=model["url"],
-            dest=render.layout(rig)["model"],
-            sha256=model["sha256"],
-        ),
-    )
+            name=f"Model {shard.dest} (sha256 checked)",
+            url=shard.url,
+            dest=shard.dest,
+            sha256=shard.sha256,
+            header_file=header_file,
+        )
+        for shard in shards
+    ]

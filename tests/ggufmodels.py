@@ -298,3 +298,32 @@ def write_qwen35(
     return write_gguf(
         path, "qwen35", qwen35_metadata(shape), qwen35_tensors(shape, weight_type), full_size
     )
+
+
+def split_gguf(source: Path, directory: Path, shards: int) -> list[Path]:
+    """``source`` rewritten as a gguf-split set of ``shards`` files in ``directory``
+    (NAME-00001-of-0000N.gguf ...), the layout llama.cpp's gguf-split writes, through gguf-py's
+    own ``GGUFWriter(split_max_tensors=...)``: the model's keys in the first shard, the split
+    keys in every shard, the tensors (their bytes as they are) spread in order."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(source)
+    per_shard = -(-len(reader.tensors) // shards)
+    architecture = reader.fields["general.architecture"].contents()
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = GGUFWriter(directory / source.name, architecture, split_max_tensors=per_shard)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub_type = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    stem = source.name[: -len(".gguf")]
+    written = sorted(directory.glob(f"{stem}-*-of-*.gguf"))
+    assert len(written) == shards, written
+    return written

@@ -6,21 +6,38 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import PROJECT, pyinfra_env
 
 
+def _deploy_call(inventory: Path, extra: tuple[str, ...]) -> dict:
+    """The arguments of `pyinfra -y inventory.py deploy.py` with RIG_INVENTORY=inventory."""
+    return {
+        "args": [sys.executable, "-m", "pyinfra", "-y", *extra, "inventory.py", "deploy.py"],
+        "cwd": PROJECT,
+        "env": pyinfra_env(RIG_INVENTORY=str(inventory)),
+        "text": True,
+    }
+
+
 def deploy(inventory: Path, *extra: str, timeout: int = 3600) -> subprocess.CompletedProcess:
     """Run `pyinfra -y inventory.py deploy.py` for real with RIG_INVENTORY=inventory."""
-    return subprocess.run(
-        [sys.executable, "-m", "pyinfra", "-y", *extra, "inventory.py", "deploy.py"],
-        cwd=PROJECT,
-        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return subprocess.run(**_deploy_call(inventory, extra), capture_output=True, timeout=timeout)
+
+
+def deploy_watched(inventory: Path, on_line: Callable[[str], None]) -> tuple[int, str]:
+    """The deploy above, each line of its output (stdout and stderr) handed to ``on_line`` as
+    it comes; its exit status and whole output."""
+    lines = []
+    with subprocess.Popen(
+        **_deploy_call(inventory, ()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as run:
+        for line in run.stdout:
+            lines.append(line)
+            on_line(line)
+    return run.returncode, "".join(lines)
 
 
 def converge(inventory: Path) -> dict:
@@ -48,7 +65,7 @@ def verify(inventory: Path, *pytest_args: str) -> subprocess.CompletedProcess:
 
 def in_sandbox(info, command: str) -> str:
     """Run a shell command in the sandbox over SSH; it must succeed; returns its stdout."""
-    from llamarig import sandbox
+    from llamarig_sandbox import sandbox
 
     result = sandbox.ssh(info, command, timeout=300)
     assert result.returncode == 0, result.stderr
@@ -57,7 +74,7 @@ def in_sandbox(info, command: str) -> str:
 
 def fresh_sandbox(name: str, release: str, ssh_port: int):
     """Boot a fresh sandbox (one left running is replaced); a generator for fixtures."""
-    from llamarig import sandbox
+    from llamarig_sandbox import sandbox
 
     sandbox.down(name)
     info = sandbox.up(release=release, name=name, ssh_port=ssh_port)

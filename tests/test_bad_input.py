@@ -119,6 +119,12 @@ CASES = [
         ("False is not allowed", "quote it"),
     ),
     Case(
+        "model-rehash-is-a-string",
+        edit(f'sha256: "{SHA}"\n', f'sha256: "{SHA}"\n            rehash: "yes"\n'),
+        "hosts.rig1.model.rehash",
+        ("'yes' is a string", "false, or true to hash every model file on every run"),
+    ),
+    Case(
         "compute-capability-unquoted",
         gpus("{name: NVIDIA GeForce RTX 3090, vram_mib: 24576, compute_capability: 8.6}", GPU_3090),
         "hosts.rig1.gpus.0.compute_capability",
@@ -410,7 +416,7 @@ CASES = [
         "model-neither-url-nor-path",
         edit("            url: https://example.org/m.gguf\n", ""),
         "hosts.rig1.model",
-        ("has neither `url` nor `path`", "set `url`"),
+        ("has neither `url`, `path` nor `hf`", "set `url`"),
     ),
     Case(
         "model-both-url-and-path",
@@ -652,6 +658,17 @@ def write(case: Case, directory: Path) -> Path:
 def expected_prefix(case: Case, path: Path) -> str:
     origin = case.origin or str(path)
     return f"{origin}{case.where}" + (f": {case.key}: " if case.key else "")
+
+
+def assert_refused_by_name(case: Case, directory: Path) -> None:
+    """Loading ``case`` fails with a problem that names its file and key and holds its words."""
+    path = write(case, directory)
+    with pytest.raises(ConfigError) as caught:
+        load_inventory(path)
+    prefix = expected_prefix(case, path)
+    named = [p for p in caught.value.problems if p.startswith(prefix)]
+    assert named, f"no problem starts with {prefix!r}: {caught.value.problems}"
+    assert any(all(word in p for word in case.words) for p in named), named
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.id for case in CASES])

@@ -1,7 +1,10 @@
-"""`llamarig run`: starts the host's launcher (the planned command line) in the foreground."""
+"""`llamarig run`: starts the host's launcher (the planned command line) in the foreground;
+and the host choice (--host) the other commands share."""
 
 import subprocess
 import sys
+
+import pytest
 
 from tests.conftest import PROJECT, offline, pyinfra_env
 
@@ -19,9 +22,9 @@ all:
 """
 
 
-def run_cli(inventory, *args):
+def run_cli(inventory, *args, command="run"):
     return subprocess.run(
-        offline([sys.executable, "-m", "llamarig.cli", "run", *args]),
+        offline([sys.executable, "-m", "llamarig.cli", command, *args]),
         cwd=PROJECT,
         env=pyinfra_env(RIG_INVENTORY=str(inventory)),
         capture_output=True,
@@ -53,3 +56,12 @@ def test_run_without_a_launcher_fails_and_says_so(write_inventory, tmp_path):
     result = run_cli(inventory)
     assert result.returncode == 1
     assert f"no launcher {tmp_path}/none/bin/llama-server: run the deploy first" in result.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "complete", "verify"])
+def test_a_host_the_inventory_lacks_is_refused_by_name(write_inventory, tmp_path, command):
+    inventory = write_inventory(RIG.format(prefix=tmp_path / "opt", supervisor="none"))
+    result = run_cli(inventory, "--host", "elsewhere", command=command)
+    assert result.returncode == 2
+    assert result.stderr == f"llamarig: no host 'elsewhere' in {inventory}\n"
+    assert result.stdout == ""

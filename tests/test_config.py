@@ -42,7 +42,12 @@ def test_defaults_fill_what_the_host_leaves_out(write_inventory):
     rig = load_inventory(write_inventory(MINIMAL)).hosts["rig1"].data
     assert rig["server"]["host"] == "127.0.0.1"
     assert rig["llama_cpp"]["commit"] == "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
-    assert rig["driver"] == {"source": "nvidia-repo", "branch": 580, "open": True}
+    assert rig["driver"] == {
+        "source": "nvidia-repo",
+        "branch": 580,
+        "open": True,
+        "secure_boot": "auto",
+    }
 
 
 def test_group_vars_merge_deeply_and_host_wins(write_inventory):

@@ -1,8 +1,30 @@
 """Parsers of llamarig's pyinfra facts, fed with the output of real commands."""
 
 import base64
+import hashlib
+import os
+import re
+import subprocess
 
-from llamarig.facts import FileHead, FirmwareBoot, NvidiaPciDevices, NvidiaSmiGpus, ServerProbe
+from pyinfra.api import FactBase
+
+from llamarig.facts import (
+    AptListsAge,
+    Batch,
+    BuildDirectories,
+    FileHead,
+    FileState,
+    FirmwareBoot,
+    JsonFile,
+    MissingCommands,
+    NvidiaPciDevices,
+    NvidiaSmiGpus,
+    PackageVersions,
+    ServerProbe,
+    UnitState,
+    parse_one,
+)
+from llamarig.render import BUILD_COMPLETE_MARKER
 
 
 def test_nvidia_smi_gpus():
@@ -102,3 +124,125 @@ def test_running_service_parses_the_main_process():
         "-c",
         "2048",
     ]
+
+
+def _fact_output(fact, **arguments) -> list[str]:
+    result = subprocess.run(
+        ["sh", "-c", fact.command(**arguments)], capture_output=True, text=True, check=True
+    )
+    return result.stdout.splitlines()
+
+
+def test_build_directories_newest_first_and_none_on_a_fresh_host(tmp_path):
+    builds = tmp_path / "builds"
+    for age, name in ((200, "old-build"), (100, "new-build"), (300, "unfinished")):
+        (builds / name).mkdir(parents=True)
+        os.utime(builds / name, (1_700_000_000 - age, 1_700_000_000 - age))
+    os.utime(builds / "old-build", (1_700_000_000, 1_700_000_000))  # marker-less: dir mtime
+    marker = builds / "new-build" / BUILD_COMPLETE_MARKER
+    marker.write_text("")
+    os.utime(marker, (1_800_000_000, 1_800_000_000))
+    fact = BuildDirectories()
+    assert fact.process(_fact_output(fact, path=str(builds))) == [
+        "new-build",
+        "old-build",
+        "unfinished",
+    ]
+    # pyinfra gives a fact with no output its default: an empty list, not None
+    assert _fact_output(fact, path=str(tmp_path / "absent")) == []
+    assert fact.default() == []
+
+
+def test_package_versions_queries_only_the_named_packages():
+    fact = PackageVersions()
+    command = fact.command(packages=["dpkg", "no-such-package-llamarig"])
+    assert command.startswith("dpkg-query -W ") and "dpkg -l" not in command
+    assert command.split(" -- ", 1)[1].startswith("dpkg no-such-package-llamarig")
+    versions = fact.process(_fact_output(fact, packages=["dpkg", "no-such-package-llamarig"]))
+    assert re.fullmatch(r"\d[\w.+~-]*", versions["dpkg"])
+    assert versions.get("no-such-package-llamarig") is None
+
+
+def test_package_versions_reads_installed_held_and_removed_states():
+    output = ["cmake ii  3.31.6-2", "ninja-build hi  1.12.1-1", "nvidia-driver rc  580.95.05-1"]
+    assert PackageVersions().process(output) == {
+        "cmake": "3.31.6-2",
+        "ninja-build": "1.12.1-1",
+        "nvidia-driver": None,
+    }
+
+
+def test_unit_state_shows_one_unit_never_all():
+    command = UnitState().command(unit="llama-server.service")
+    assert "'*'" not in command and "--all" not in command
+    assert command.startswith("systemctl show -p Id -p ActiveState")
+    assert "-- llama-server.service" in command
+    output = [
+        "Id=llama-server.service",
+        "ActiveState=active",
+        "SubState=running",
+        "UnitFileState=enabled",
+        "NeedDaemonReload=no",
+    ]
+    assert UnitState().process(output) == {
+        "active": True,
+        "sub_state": "running",
+        "enabled": True,
+        "need_daemon_reload": False,
+    }
+    assert UnitState().default() == {
+        "active": False,
+        "sub_state": "",
+        "enabled": False,
+        "need_daemon_reload": False,
+    }
+
+
+def test_file_state_mode_and_sha256_in_one_command(tmp_path):
+    path = tmp_path / "unit's file"
+    path.write_bytes(b"[Unit]\n")
+    path.chmod(0o640)
+    fact = FileState()
+    assert fact.process(_fact_output(fact, path=str(path))) == {
+        "mode": 640,
+        "sha256": hashlib.sha256(b"[Unit]\n").hexdigest(),
+    }
+    assert fact.process(_fact_output(fact, path=str(tmp_path / "missing"))) is None
+
+
+def test_batch_gives_each_fact_what_its_own_command_gives(tmp_path):
+    path = tmp_path / "env"
+    path.write_text("LLAMA_ARG_CTX=2048\n")
+    requests = (
+        (FileState, (("path", str(path)),)),
+        (MissingCommands, (("commands", ["sh", "no-such-command-llamarig"]),)),
+        (FileState, (("path", str(tmp_path / "missing")),)),
+    )
+    outputs = Batch().process(_fact_output(Batch(), requests=requests))
+    alone = [
+        FileState().process(_fact_output(FileState(), path=str(path))),
+        ["no-such-command-llamarig"],
+    ]
+    assert [parse_one(cls, dict(args), outputs[i]) for i, (cls, args) in enumerate(requests)] == [
+        *alone,
+        None,
+    ]
+
+
+class FailingFact(FactBase):
+    def command(self) -> str:
+        return "echo partial; exit 3"
+
+
+def test_batch_leaves_out_a_fact_whose_command_fails(tmp_path):
+    requests = ((FailingFact, ()), (JsonFile, (("path", str(tmp_path / "none.json")),)))
+    outputs = Batch().process(_fact_output(Batch(), requests=requests))
+    assert 0 not in outputs
+    assert parse_one(JsonFile, dict(requests[1][1]), outputs[1]) is None
+
+
+def test_apt_lists_age_from_the_stamp():
+    fact = AptListsAge()
+    assert "update-success-stamp" in fact.command()
+    assert fact.process(["42"]) == 42
+    assert fact.process([]) is None

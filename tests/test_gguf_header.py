@@ -1,13 +1,17 @@
 import io
+import re
 import struct
+import subprocess
 
 import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
 
 from llamarig.gguf_header import (
+    GGML_OVERRIDES,
     GGML_TYPES,
     READ_CHUNK,
+    GgmlType,
     GgufError,
     ggml_type,
     read_gguf_header,
@@ -17,7 +21,7 @@ from llamarig.gguf_header import (
 from tests.ggufmodels import Qwen35Shape, write_llama, write_qwen35
 
 
-def test_type_sizes_match_gguf_py():
+def test_type_sizes_are_gguf_py_but_for_the_named_overrides():
     for quant_type, (block_size, type_size) in GGML_QUANT_SIZES.items():
         if quant_type.name == "Q8_1":
             # gguf 0.19.0 says 40 bytes; the pinned ggml has two halves + 32 quants (static_assert)
@@ -25,11 +29,94 @@ def test_type_sizes_match_gguf_py():
             continue
         assert GGML_TYPES[int(quant_type)].block_size == block_size, quant_type.name
         assert GGML_TYPES[int(quant_type)].type_size == type_size, quant_type.name
+    assert ggml_type("Q2_0") == GGML_TYPES[42] == GgmlType("Q2_0", 64, 18)
     assert ggml_type("Q8_0") == ggml_type(8)
     assert row_size("q8_0", 1024) == 1088
     assert row_size("q4_0", 256) == 144
     with pytest.raises(ValueError):
         row_size("q8_0", 100)
+
+
+def test_each_override_is_where_gguf_py_differs():
+    """An override that gguf-py has come to agree with is stale: drop it."""
+    known = {int(t): size for t, size in GGML_QUANT_SIZES.items()}
+    for type_id, layout in GGML_OVERRIDES.items():
+        assert known.get(type_id) != (layout.block_size, layout.type_size), layout.name
+
+
+PINNED_TREE = "/var/cache/llamarig/mirror/llama.cpp.git"
+# sizeof() of the scalar types the pinned block structs are made of (ggml.h typedefs)
+C_SIZES = {"ggml_half": 2, "ggml_fp16_t": 2, "ggml_bf16_t": 2, "float": 4, "double": 8}
+C_SIZES |= {f"{sign}int{bits}_t": bits // 8 for sign in ("", "u") for bits in (8, 16, 32, 64)}
+
+
+def _pinned_source(path: str) -> str:
+    from llamarig.config import defaults
+
+    commit = defaults()["llama_cpp"]["commit"]
+    shown = subprocess.run(
+        ["git", f"--git-dir={PINNED_TREE}", "show", f"{commit}:{path}"],
+        capture_output=True,
+        text=True,
+    )
+    if shown.returncode:
+        pytest.skip(f"no local mirror of the pinned llama.cpp ({PINNED_TREE})")
+    return shown.stdout
+
+
+def _c_value(expression: str, macros: dict[str, str]) -> int:
+    """An integer constant expression of ggml-common.h, its macros expanded as cpp would."""
+    text = re.sub(r"sizeof\((\w+)\)", lambda m: str(C_SIZES[m.group(1)]), expression)
+    while (expanded := re.sub(r"\b[A-Z_]\w*\b", lambda m: macros[m.group(0)], text)) != text:
+        text = expanded
+    assert re.fullmatch(r"[\d\s+*/()-]+", text), (expression, text)
+    return eval(text.replace("/", "//"))  # digits and operators only, checked above
+
+
+def pinned_ggml_types() -> dict[int, GgmlType]:
+    """id -> layout from the pinned tree: the ggml_type enum (ggml.h), type_traits' blck_size
+    and type_size (ggml.c), and each block struct's size as its static_assert states it."""
+    header = _pinned_source("ggml/include/ggml.h")
+    traits = _pinned_source("ggml/src/ggml.c")
+    common = _pinned_source("ggml/src/ggml-common.h")
+    enum = header[header.index("enum ggml_type {") :]
+    enum = enum[: enum.index("};")]
+    ids = {name: int(i) for name, i in re.findall(r"^\s*GGML_TYPE_(\w+)\s*=\s*(\d+)", enum, re.M)}
+    ids.pop("COUNT")
+    macros = {
+        name: value.split("//")[0].strip()
+        for name, value in re.findall(r"^#define\s+([A-Z_]\w*)[ \t]+(.+)$", common, re.M)
+    }
+    block_bytes = {
+        block: _c_value(expression, macros)
+        for block, expression in re.findall(
+            r'static_assert\(sizeof\((block_\w+)\) == (.+?), "', common
+        )
+    }
+    found = {}
+    start = traits.index("type_traits[GGML_TYPE_COUNT] = {") + len("type_traits[")
+    table = traits[start : traits.index("\n};", start)]
+    for name, body in re.findall(r"\[GGML_TYPE_(\w+)\] = \{(.*?)\n    \}", table, re.S):
+        block_size = re.search(r"\.blck_size\s*=\s*(\w+)", body).group(1)
+        struct = re.search(r"\.type_size\s*=\s*sizeof\((\w+)\)", body).group(1)
+        type_size = block_bytes[struct] if struct.startswith("block_") else C_SIZES[struct]
+        found[ids[name]] = GgmlType(name, _c_value(block_size, macros), type_size)
+    assert set(found) == set(ids.values()), "a type of the enum has no type_traits entry"
+    return found
+
+
+def test_type_table_is_the_pinned_ggml():
+    """The merged table (gguf-py plus GGML_OVERRIDES) is, id by id, what the pinned ggml
+    source says: a new pin that adds or resizes a type fails here until the table follows."""
+    pinned = pinned_ggml_types()
+    assert len(pinned) > 30
+    assert pinned[9] == GgmlType("Q8_1", 32, 36)
+    assert {i: (t.block_size, t.type_size) for i, t in GGML_TYPES.items()} == {
+        i: (t.block_size, t.type_size) for i, t in pinned.items()
+    }
+    assert {i: t.name.lower() for i, t in GGML_TYPES.items()} == {
+        i: t.name.lower() for i, t in pinned.items()
+    }
 
 
 def test_reads_what_gguf_py_reads(tmp_path):

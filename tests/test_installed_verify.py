@@ -1,14 +1,17 @@
-"""`llamarig verify` from a non-editable install, run outside the source tree: the installed
-package carries the testinfra suite it runs (llamarig/checks), not the checkout's tests/."""
+"""`llamarig verify` and `llamarig plan` from a non-editable install, run outside the source
+tree: the installed package carries the testinfra suite it runs (llamarig/checks), the documented
+defaults (group_data/) and the templates (files/), not the checkout's."""
 
 import importlib.util
 import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import PROJECT, offline
 
@@ -39,9 +42,10 @@ def install(tmp_path: Path) -> Path:
     source = tmp_path / "source"
     source.mkdir()
     shutil.copy(PROJECT / "pyproject.toml", source)
-    shutil.copytree(
-        PROJECT / "llamarig", source / "llamarig", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    for directory in source_directories():
+        shutil.copytree(
+            PROJECT / directory, source / directory, ignore=shutil.ignore_patterns("__pycache__")
+        )
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
@@ -58,6 +62,13 @@ def install(tmp_path: Path) -> Path:
         check=True, cwd=tmp_path, capture_output=True,
     )  # fmt: skip
     return venv / "bin"
+
+
+def source_directories() -> set[str]:
+    """The checkout's top-level directories that pyproject.toml builds its packages from."""
+    setuptools = tomllib.loads((PROJECT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    mapped = setuptools.get("package-dir", {})
+    return {mapped.get(package, package.split(".")[0]) for package in setuptools["packages"]}
 
 
 def run_installed(bin_dir: Path, argv: list, cwd: Path, **env) -> subprocess.CompletedProcess:
@@ -101,11 +112,6 @@ def test_installed_package_carries_the_rig_suite(installed, tmp_path):
     assert_rig_suite_collected(result)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="config.DEFAULTS_PATH is PROJECT_DIR/group_data/all.yml, which an installed package "
-    "lacks: `llamarig verify` stops at loading the inventory (issue 13, item 4)",
-)
 def test_installed_verify_runs_the_rig_suite_outside_the_source_tree(installed, tmp_path):
     (tmp_path / "rig.yml").write_text(RIG)
     result = run_installed(
@@ -113,3 +119,36 @@ def test_installed_verify_runs_the_rig_suite_outside_the_source_tree(installed, 
         RIG_INVENTORY=str(tmp_path / "rig.yml"),
     )  # fmt: skip
     assert_rig_suite_collected(result)
+
+
+def test_installed_plan_reads_the_defaults_and_templates_it_carries(installed, tmp_path):
+    """`llamarig plan --unit` outside the source tree: the defaults the host leaves out (the
+    pinned commit in the build directory) and the rendered unit come from the installed package."""
+    (tmp_path / "rig.yml").write_text(RIG)
+    result = run_installed(
+        installed, [installed / "llamarig", "plan", "--unit"], tmp_path,
+        RIG_INVENTORY=str(tmp_path / "rig.yml"),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    commit = yaml.safe_load((PROJECT / "group_data" / "all.yml").read_text())["llama_cpp"]["commit"]
+    assert f"/opt/llamarig/builds/{commit[:12]}-" in result.stdout, result.stdout
+    assert "[Service]\nType=exec\n" in result.stdout, result.stdout
+    assert "ProtectSystem=strict" in result.stdout, result.stdout  # the included hardening block
+    assert str(PROJECT) not in result.stdout + result.stderr, result.stdout
+
+
+def test_installed_package_carries_every_file_of_group_data_and_files(installed):
+    """The wheel's copies of group_data/ and files/ are the checkout's files, all of them and
+    byte for byte: one file each, no second copy to keep in step."""
+    purelib = next(installed.parent.glob("lib/python*/site-packages"))
+    for directory in ("group_data", "files"):
+        names = files_in(PROJECT / directory)
+        assert names, directory
+        assert files_in(purelib / "llamarig" / directory) == names, directory
+        for name in names:
+            shipped = purelib / "llamarig" / directory / name
+            assert shipped.read_bytes() == (PROJECT / directory / name).read_bytes(), name
+
+
+def files_in(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir() if path.is_file())

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,7 @@ from urllib.parse import quote
 
 import pytest
 
+from llamarig import operations
 from tests.conftest import pyinfra_env
 
 pytestmark = pytest.mark.skipif(
@@ -22,14 +25,16 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def run_deploy(tmp_path: Path, body: str, *options: str) -> tuple[int, dict | None, str]:
-    """Run a deploy file made of `body` with pyinfra against @local."""
+def run_deploy(
+    tmp_path: Path, body: str, *options: str, env: dict | None = None
+) -> tuple[int, dict | None, str]:
+    """Run a deploy file made of `body` with pyinfra against @local (``env``: more variables)."""
     deploy = tmp_path / "deploy_under_test.py"
     deploy.write_text("from llamarig import operations\n" + textwrap.dedent(body))
     result = subprocess.run(
         [sys.executable, "-m", "pyinfra", "-y", "--json", *options, "@local", str(deploy)],
         cwd=tmp_path,
-        env=pyinfra_env(),
+        env=pyinfra_env(**(env or {})),
         capture_output=True,
         text=True,
         timeout=300,
@@ -60,7 +65,7 @@ def test_fetch_checked_downloads_once(tmp_path, file_server, name):
     dest.parent.mkdir()
     body = (
         f"operations.fetch_checked(url={url + '/' + quote(name)!r}, dest={str(dest)!r}, "
-        f"sha256='{sha256(content)}')"
+        f"sha256='{sha256(content)}', records='{tmp_path}/records')"
     )
     code, results, stderr = run_deploy(tmp_path, body)
     assert code == 0, stderr
@@ -81,7 +86,8 @@ def test_fetch_checked_resumes_a_partial_download(tmp_path, file_server):
     # these bytes in front and must then be refused by the checksum.
     Path(f"{dest}.part").write_bytes(b"X" * 500_000)
     body = (
-        f"operations.fetch_checked(url='{url}/m.gguf', dest='{dest}', sha256='{sha256(content)}')"
+        f"operations.fetch_checked(url='{url}/m.gguf', dest='{dest}', sha256='{sha256(content)}', "
+        f"records='{tmp_path}/records')"
     )
     code, _, stderr = run_deploy(tmp_path, body)
     assert code != 0
@@ -101,7 +107,10 @@ def test_fetch_checked_never_replaces_a_good_file_with_a_bad_download(tmp_path, 
     dest = tmp_path / "m.gguf"
     dest.write_bytes(good)
     wanted = sha256(b"a newer model")
-    body = f"operations.fetch_checked(url='{url}/m.gguf', dest='{dest}', sha256='{wanted}')"
+    body = (
+        f"operations.fetch_checked(url='{url}/m.gguf', dest='{dest}', sha256='{wanted}', "
+        f"records='{tmp_path}/records')"
+    )
     code, results, stderr = run_deploy(tmp_path, body)
     assert code != 0 and "sha256 mismatch" in stderr
     assert dest.read_bytes() == good
@@ -110,10 +119,14 @@ def test_fetch_checked_never_replaces_a_good_file_with_a_bad_download(tmp_path, 
 def test_check_file(tmp_path):
     model = tmp_path / "m.gguf"
     model.write_bytes(b"weights")
-    body = f"operations.check_file(path='{model}', sha256='{sha256(b'weights')}')"
+    records = f"records='{tmp_path}/records'"
+    body = f"operations.check_file(path='{model}', sha256='{sha256(b'weights')}', {records})"
+    # The first check hashes and records (a change), the second reads the record.
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert (code, changed(results)) == (0, 1), stderr
     code, results, stderr = run_deploy(tmp_path, body)
     assert (code, changed(results)) == (0, 0), stderr
-    body = f"operations.check_file(path='{model}', sha256='{sha256(b'other')}')"
+    body = f"operations.check_file(path='{model}', sha256='{sha256(b'other')}', {records})"
     code, _, stderr = run_deploy(tmp_path, body)
     assert code != 0 and f"model file {model} has sha256 {sha256(b'weights')}" in stderr
     code, _, stderr = run_deploy(tmp_path, f"operations.check_file(path='{tmp_path}/none')")
@@ -266,3 +279,167 @@ def test_prune_builds_keeps_current_last_good_and_newest(tmp_path):
     code, results, stderr = run_deploy(tmp_path, body)
     assert code == 0, stderr
     assert sorted(p.name for p in builds.iterdir()) == ["fresh"]
+
+
+def planned_commands(tmp_path: Path, call: str) -> list[str]:
+    """The commands an operation's body yields on @local, read through pyinfra's real facts
+    (``call``: the operation's ``_inner`` call, evaluated in the deploy file)."""
+    out = tmp_path / "commands.json"
+    body = f"""
+        import json
+        commands = [str(command) for command in operations.{call}]
+        open({str(out)!r}, "w").write(json.dumps(commands))
+    """
+    code, _, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    return json.loads(out.read_text())
+
+
+def test_apt_packages_installs_only_the_missing_with_pyinfras_options(tmp_path):
+    commands = planned_commands(
+        tmp_path,
+        'apt_packages._inner(packages=["dpkg", "no-such-package-llamarig", "dpkg=0.0-pinned"],'
+        " no_recommends=True)",
+    )
+    assert commands == [
+        "DEBIAN_FRONTEND=noninteractive apt-get -y "
+        '-o Dpkg::Options::="--force-confdef" -o Dpkg::Options::="--force-confold" '
+        "install --no-install-recommends no-such-package-llamarig dpkg=0.0-pinned"
+    ]
+
+
+def test_apt_packages_yields_nothing_when_installed(tmp_path):
+    assert planned_commands(tmp_path, 'apt_packages._inner(packages=["dpkg"])') == []
+    code, results, stderr = run_deploy(
+        tmp_path, 'operations.apt_packages(name="dpkg", packages=["dpkg"])\n'
+    )
+    assert code == 0, stderr
+    assert changed(results) == 0
+
+
+def test_unit_running_starts_and_enables_a_stopped_unit(tmp_path):
+    # No systemd answers here: the unit reads as stopped and disabled.
+    assert planned_commands(tmp_path, 'unit_running._inner(unit="no such.service")') == [
+        "systemctl start -- 'no such.service'",
+        "systemctl enable -- 'no such.service'",
+    ]
+
+
+def test_check_unit_active_fails_for_a_stopped_unit(tmp_path):
+    code, _, stderr = run_deploy(
+        tmp_path,
+        'operations.check_unit_active(name="check", unit="absent.service", what="here")\n',
+    )
+    assert code != 0
+    assert "absent.service is not active (systemctl status absent.service)" in stderr
+
+
+def test_symlink_points_once_and_repoints_by_rename(tmp_path):
+    link, first, second = tmp_path / "links" / "current", tmp_path / "a", tmp_path / "b"
+    body = 'operations.symlink(name="current", path={!r}, target={!r})\n'
+    for target in (first, first, second):
+        code, results, stderr = run_deploy(tmp_path, body.format(str(link), str(target)))
+        assert code == 0, stderr
+        assert link.is_symlink() and Path(link.readlink()) == target
+    assert changed(results) == 1
+    code, results, _ = run_deploy(tmp_path, body.format(str(link), str(second)))
+    assert changed(results) == 0
+    link.unlink()
+    link.mkdir()
+    code, _, stderr = run_deploy(tmp_path, body.format(str(link), str(second)))
+    assert code != 0 and "exists and is not a symbolic link" in stderr
+
+
+def test_directory_is_made_with_its_mode_then_left(tmp_path):
+    path = tmp_path / "models dir"
+    body = f'operations.directory(name="models", path={str(path)!r}, mode="750")\n'
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert changed(results) == 1 and oct(path.stat().st_mode & 0o777) == "0o750"
+    code, results, _ = run_deploy(tmp_path, body)
+    assert changed(results) == 0
+    path.chmod(0o700)
+    code, results, _ = run_deploy(tmp_path, body)
+    assert changed(results) == 1 and oct(path.stat().st_mode & 0o777) == "0o750"
+
+
+def test_absent_removes_a_file_and_refuses_a_directory(tmp_path):
+    path = tmp_path / "api-key"
+    path.write_text("secret\n")
+    body = f'operations.absent(name="no key", path={str(path)!r})\n'
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert changed(results) == 1 and not path.exists()
+    code, results, _ = run_deploy(tmp_path, body)
+    assert changed(results) == 0
+    path.mkdir()
+    code, _, stderr = run_deploy(tmp_path, body)
+    assert code != 0 and "exists and is not a file" in stderr
+
+
+def test_facts_read_while_planning_are_read_again_only_after_a_change(tmp_path):
+    # Two operations read the same file's state: the second one, after the first changed
+    # nothing, reads no more (one command for both in --debug); after a change it reads again.
+    path = tmp_path / "unit"
+    path.write_text("same\n")
+    body = "from io import StringIO\n" + "".join(
+        f"operations.atomic_file(name={name!r}, src=StringIO({text!r}), dest={str(path)!r})\n"
+        for name, text in (("a", "same\n"), ("b", "same\n"), ("c", "new\n"), ("d", "new\n"))
+    )
+    code, results, stderr = run_deploy(tmp_path, body, "--debug")
+    assert code == 0, stderr
+    reads = [
+        line for line in stderr.splitlines() if "Running command" in line and "sha256sum" in line
+    ]
+    assert len(reads) == 2, reads
+    assert changed(results) == 1 and path.read_text() == "new\n"
+
+
+def run_wait_for_port(tmp_path: Path, port: int) -> subprocess.CompletedProcess:
+    """wait_for_port's script run by bash; systemctl and journalctl are shims (no systemd here)
+    that answer as for a worker that could not bind and exited. The 10 minutes it may wait end
+    at once: an exited unit ends the wait."""
+    shims = tmp_path / "bin"
+    shims.mkdir(exist_ok=True)
+    for tool, answer in (
+        ("systemctl", "inactive\ndead"),
+        ("journalctl", "Failed to create server socket"),
+    ):
+        (shims / tool).write_text(f"#!/bin/sh\nprintf '{answer}\\n'\n")
+        (shims / tool).chmod(0o755)
+    (script,) = operations.wait_for_port._inner(
+        endpoint=f"127.0.0.1:{port}", service="ggml-rpc-server.service", timeout=600
+    )
+    env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"}
+    return subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+@pytest.mark.skipif(not shutil.which("ss"), reason="needs ss (iproute2) to list sockets")
+def test_wait_for_port_names_the_connection_that_holds_the_port(tmp_path):
+    # What once failed a CI run: ggml-rpc-server could not bind 127.0.0.1:50052, SO_REUSEADDR
+    # notwithstanding, because an outgoing loopback connection had been handed that port. Here
+    # a connection holds a port the kernel picked from its ephemeral range; nothing listens on it.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        with socket.create_connection(listener.getsockname()) as client:
+            held = client.getsockname()[1]
+            result = run_wait_for_port(tmp_path, held)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert "Failed to create server socket" in lines, result.stderr
+    assert any(line.startswith("ESTAB") and f"127.0.0.1:{held} " in line for line in lines), (
+        result.stderr
+    )
+    low, _ = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+    assert f"port {held} lies in the kernel ephemeral range {low}-" in result.stderr
+    assert f"choose a port below {low}, or reserve it" in result.stderr
+
+
+def test_wait_for_port_says_nothing_of_sockets_when_none_holds_the_port(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        free = listener.getsockname()[1]
+    result = run_wait_for_port(tmp_path, free)
+    assert result.returncode == 1
+    assert "ggml-rpc-server.service does not accept connections" in result.stderr
+    assert "sockets on port" not in result.stderr and "ephemeral" not in result.stderr

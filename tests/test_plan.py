@@ -59,8 +59,8 @@ def test_seed_rig_fits_with_its_own_split(seed, qwen_header):
     args = document["server_args"]
     assert args[args.index("-ts") + 1] == "2,3" and "-fit" in args
     assert set(document) == {
-        "fits", "errors", "warnings", "cuda_architectures", "split_mode", "tensor_split",
-        "ctx", "devices", "server_args", "cmake_args",
+        "fits", "errors", "warnings", "cuda_architectures", "split_mode", "split_mode_reason",
+        "tensor_split", "ctx", "devices", "server_args", "cmake_args",
     }  # fmt: skip
 
 

@@ -14,7 +14,7 @@ from pyinfra.context import ctx_host, ctx_state
 
 from llamarig import stage
 from llamarig.config import load_inventory
-from llamarig.facts import FileHead, NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.facts import FileHead, FileIdentity, NvidiaPciDevices, NvidiaSmiGpus
 from llamarig.plan import plan_host
 from llamarig.remote import (
     SshTarget,
@@ -177,7 +177,11 @@ def test_the_model_header_comes_from_the_host_file(write_inventory, tmp_path):
     reader, asked = facts_reader({FileHead: model.read_bytes()})
     gathered = gather(data, reader, gpus=False)
     assert gathered.header is not None and gathered.header_note == ""
-    assert asked == [(FileHead, {"path": str(model), "size": 16 << 20})]
+    # No sha256 in the rig: the file's identity keys its kept header (none here: read it).
+    assert asked == [
+        (FileIdentity, {"path": str(model)}),
+        (FileHead, {"path": str(model), "size": 1 << 20}),
+    ]
     # The same through sh on this (local) host, reading the real file.
     assert gather(data, shell_reader(data), gpus=False).header.architecture == (
         gathered.header.architecture

@@ -12,8 +12,11 @@ from tests.conftest import PROJECT
 
 @pytest.fixture
 def seed_rig() -> dict:
-    inventory = load_inventory(PROJECT / "inventory" / "example-5080-3090.yml")
-    return inventory.hosts["rig1"].data
+    """The seed rig as rendered after its plan: `split_mode: auto` resolves to tensor on its
+    two cards (tests/test_split_mode_auto.py)."""
+    data = load_inventory(PROJECT / "inventory" / "example-5080-3090.yml").hosts["rig1"].data
+    data["server"]["split_mode"] = "tensor"
+    return data
 
 
 @pytest.fixture
@@ -223,3 +226,9 @@ def test_running_server_is_compared_with_the_rig(sandbox_rig, tmp_path):
         "--api-key-file",
         "/run/credentials/llama-server.service/api-key",
     ]
+
+
+def test_an_unplanned_split_mode_is_never_rendered(seed_rig):
+    seed_rig["server"]["split_mode"] = "auto"
+    with pytest.raises(ValueError, match="resolved by the plan"):
+        render.server_args(seed_rig)

@@ -119,7 +119,7 @@ def test_a_head_cannot_use_a_standalone_box_nor_set_endpoints(write_inventory):
 def test_the_rpc_sandbox_inventory_plans():
     inventory = load_inventory(PROJECT / "inventory" / "sandbox-rpc.yml")
     head = inventory.hosts["rpc-head"].data
-    assert head["rpc"]["endpoints"] == ["127.0.0.1:50052"]
+    assert head["rpc"]["endpoints"] == ["127.0.0.1:29052"]
     assert inventory.hosts["rpc-worker"].data["rpc"]["host"] == "127.0.0.1"
 
 

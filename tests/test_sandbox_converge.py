@@ -2,9 +2,10 @@
 systemd-nspawn, reached over SSH, building llama.cpp (CPU) at the pinned commit and serving a
 real GGUF model through the hardened unit.
 
-Stand-ins, stated plainly: the model (a tiny random-weight llama) comes from a loopback HTTP
-server instead of a model hub, and llama.cpp comes from a `git daemon` mirror of the
-llama-cpp-python 0.3.36 sdist instead of GitHub. The deploy's code path is the production one.
+Stand-ins, stated plainly: the model (SmolLM2-135M-Instruct, taken from its PyPI wheel) comes
+from a loopback HTTP server instead of a model hub, and llama.cpp comes from a `git daemon`
+mirror of the llama-cpp-python 0.3.36 sdist instead of GitHub. The deploy's code path is the
+production one.
 
 Needs root, systemd-nspawn and debootstrap (the sandbox installs them); the first converge
 builds llama-server (about 9 minutes on 2 cores without a warm ccache).
@@ -104,6 +105,30 @@ def test_second_converge_changes_nothing(sandbox_info):
     assert main_pid(sandbox_info) == pid_before, "the second converge restarted the service"
 
 
+# A converge that changes nothing reads the host in two batches while planning (the system, then
+# what llamarig manages: small files, link, build, checkout, packages, units, apt lists), then
+# sends only the model's check and the end-of-run probe: 4 (43 before, with `dpkg -l` and
+# `systemctl show '*'`). Two spare for the model's checksum record (its state file, the file's
+# identity), which may take commands of its own.
+NOOP_COMMANDS_AT_MOST = 6
+
+
+def test_noop_converge_sends_few_commands_and_lists_nothing_whole(sandbox_info):
+    converge()  # converged, whichever of the tests above ran
+    result = deploy(INVENTORY, "--debug")
+    assert result.returncode == 0, result.stderr[-4000:]
+    commands = [
+        line.split(") ", 1)[1]
+        for line in (result.stdout + result.stderr).splitlines()
+        if "Running command on sandbox: (pty=" in line
+    ]
+    assert commands, "no command seen in pyinfra's --debug output"
+    assert not [command for command in commands if "dpkg -l" in command], commands
+    assert not [command for command in commands if "systemctl show --all" in command], commands
+    assert not [command for command in commands if re.search(r"systemctl show [^;|]*\*", command)]
+    assert len(commands) <= NOOP_COMMANDS_AT_MOST, "\n".join(commands)
+
+
 def test_server_setting_restarts_without_rebuild(sandbox_info, tmp_path):
     pid_before = main_pid(sandbox_info)
     results = converge(variant(tmp_path, server={"ctx": 1024}))
@@ -197,7 +222,9 @@ def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
     assert loads and kv_lines, f"llama-server did not log its buffer sizes:\n{log[-2000:]}"
     logged_weights = float(re.search(r"= *([0-9.]+) MiB", loads[-1]).group(1))
     logged_kv = float(re.search(r"size = *([0-9.]+) MiB", kv_lines[-1]).group(1))
-    header = read_gguf_header_file(CACHE_DIR / "www" / "tiny-llama.gguf")
+    from llamarig_sandbox import sandbox
+
+    header = read_gguf_header_file(sandbox.WWW_DIR / sandbox.MODEL_NAME)
     planned_weights = header.total_tensor_bytes / 2**20
     planned_kv = (
         kv_cache_bytes(
@@ -346,7 +373,7 @@ def test_a_server_that_cannot_start_is_rolled_back(sandbox_info, tmp_path):
 
 
 def test_a_corrupt_model_is_rolled_back(sandbox_info, tmp_path):
-    from llamarig import sandbox
+    from llamarig_sandbox import sandbox
 
     good = sandbox.WWW_DIR / sandbox.MODEL_NAME
     corrupt = sandbox.WWW_DIR / "corrupt-llama.gguf"
@@ -436,7 +463,7 @@ class ThrottledFiles:
     def __init__(self, root: Path) -> None:
         import threading
 
-        from llamarig.fileserver import make_server
+        from llamarig_sandbox.fileserver import make_server
 
         self.ranges: list[str | None] = []
         server = make_server(root, 0)
@@ -458,7 +485,7 @@ class ThrottledFiles:
 
 
 def test_a_download_killed_midway_resumes(sandbox_info, tmp_path):
-    from llamarig import sandbox
+    from llamarig_sandbox import sandbox
 
     files = ThrottledFiles(sandbox.WWW_DIR)
     try:
@@ -507,3 +534,102 @@ def test_a_deploy_killed_between_unit_and_restart_converges(sandbox_info, tmp_pa
     results = converge(inventory)
     assert results["totals"]["success"] == 0, changed_operations(results)
     converge()
+
+
+# --- checksum once (issue 19) ----------------------------------------------------------------
+
+# A sha256sum first on the sandbox's PATH (/usr/local/bin) that logs the file each call reads.
+SHA256SUM_LOG = "/root/llamarig-sha256sum.log"
+SHA256SUM_WRAPPER = f"""#!/bin/sh
+printf '%s\\n' "$(readlink /proc/$$/fd/0)" >> {SHA256SUM_LOG}
+exec /usr/bin/sha256sum "$@"
+"""
+
+
+def hashed_files(sandbox_info, under: str = "/") -> list[str]:
+    """The files under ``under`` the wrapper saw hashed since the last call (the deploy also
+    hashes its small files, units and env file, to compare them)."""
+    log = host_path(sandbox_info, SHA256SUM_LOG)
+    lines = log.read_text().splitlines() if log.exists() else []
+    log.unlink(missing_ok=True)
+    return [line for line in lines if line.startswith(under)]
+
+
+def test_the_model_is_hashed_once_and_a_changed_one_downloaded_again(sandbox_info, tmp_path):
+    import time
+
+    from llamarig import checksums
+    from llamarig_sandbox import sandbox
+
+    converge()
+    model = render.layout(load_inventory(INVENTORY).hosts["sandbox"].data)["model"]
+    record = checksums.record_path(model)
+    assert in_sandbox(sandbox_info, f"stat -c '%a %U' {checksums.RECORD_DIRECTORY}") == "700 root"
+    assert in_sandbox(sandbox_info, f"stat -c '%a %U' {record}") == "600 root"
+    identity = in_sandbox(sandbox_info, checksums.identity_command(model))
+    # GNU stat on trixie gives mtime and ctime with nanoseconds.
+    assert re.fullmatch(r"\d+ \d+ \d+ \d+\.\d{9} \d+\.\d{9}", identity), identity
+    assert in_sandbox(sandbox_info, f"cat {record}") == f"{sandbox_info.model_sha256} {identity}"
+
+    wrapper = host_path(sandbox_info, "/usr/local/bin/sha256sum")
+    wrapper.write_text(SHA256SUM_WRAPPER)
+    wrapper.chmod(0o755)
+    try:
+        # The wrapper is what a command over SSH runs (else this test could not fail).
+        in_sandbox(sandbox_info, "sha256sum < /etc/hostname")
+        assert hashed_files(sandbox_info) == ["/etc/hostname"]
+
+        pid = main_pid(sandbox_info)
+        started = time.monotonic()
+        results = converge()
+        print(f"no-op converge: {time.monotonic() - started:.1f} s")
+        assert results["totals"]["success"] == 0, changed_operations(results)
+        assert hashed_files(sandbox_info, model) == [], "a no-op converge hashed the model"
+
+        # One byte flipped, same size, the mtime set back: only content and ctime differ.
+        path = host_path(sandbox_info, model)
+        before = path.stat()
+        with open(path, "r+b") as handle:
+            handle.seek(before.st_size // 2)
+            byte = handle.read(1)
+            handle.seek(before.st_size // 2)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+        assert (path.stat().st_size, path.stat().st_mtime_ns) == (
+            before.st_size,
+            before.st_mtime_ns,
+        )
+        wrong = sandbox.sha256_file(path)
+        result = deploy(INVENTORY, "--json")
+        assert result.returncode == 0, result.stderr[-4000:]
+        changed = changed_operations(json.loads(result.stdout)["results"])
+        assert f"Checksum of {model} (hashed only when it changed)" in changed, changed
+        assert f"Model {model} (sha256 checked)" in changed, changed
+        assert any(name.startswith("Restart llama-server") for name in changed), changed
+        # The changed file once, then the new download: never the same bytes twice.
+        assert hashed_files(sandbox_info, model) == [model, f"{model}.part"]
+        expected = sandbox_info.model_sha256
+        output = result.stdout + result.stderr
+        assert f"{model} has sha256 {wrong}, expected {expected}: downloading it again" in (
+            output
+        ), result.stderr[-4000:]
+        assert sandbox.sha256_file(path) == expected
+        assert main_pid(sandbox_info) != pid
+        assert complete()["tokens_predicted"] == 8
+
+        results = converge()
+        assert results["totals"]["success"] == 0, changed_operations(results)
+        assert hashed_files(sandbox_info, model) == []
+
+        # model.rehash: hashed on every run, the record written again; no download, no restart.
+        pid = main_pid(sandbox_info)
+        for _ in range(2):
+            results = converge(variant(tmp_path, model={"rehash": True}))
+            assert changed_operations(results) == [
+                f"Checksum of {model} (hashed only when it changed)"
+            ]
+            assert hashed_files(sandbox_info, model) == [model]
+        assert main_pid(sandbox_info) == pid
+    finally:
+        wrapper.unlink()
+        host_path(sandbox_info, SHA256SUM_LOG).unlink(missing_ok=True)

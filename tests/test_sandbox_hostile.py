@@ -25,7 +25,8 @@ import yaml
 
 from llamarig import CACHE_DIR, render
 from llamarig.config import load_inventory
-from llamarig.sandbox import WWW_DIR
+from llamarig_sandbox.sandbox import MODEL_NAME as SERVED_MODEL
+from llamarig_sandbox.sandbox import WWW_DIR
 from tests import sandboxes
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
@@ -63,7 +64,8 @@ def hostile(tmp_path_factory):
     sandbox = fresh_sandbox(NAME, "trixie", SSH_PORT)
     info = next(sandbox)
     copy = WWW_DIR / URL_NAME
-    shutil.copyfile(WWW_DIR / "tiny-llama.gguf", copy)
+    # The model inventory/hosts.yml serves (and checks by its sha256), under the hostile name.
+    shutil.copyfile(WWW_DIR / SERVED_MODEL, copy)
     yield info, tmp_path_factory.mktemp("hostile")
     copy.unlink(missing_ok=True)
     next(sandbox, None)  # takes the sandbox down

@@ -1,6 +1,6 @@
 """One model served by two boxes: a head and a worker sandbox (Debian trixie booted with
 systemd in systemd-nspawn, SSH on 127.0.0.1:2226 and :2227) converged from one inventory,
-inventory/sandbox-rpc.yml. The worker runs ggml-rpc-server on 127.0.0.1:50052; the head's
+inventory/sandbox-rpc.yml. The worker runs ggml-rpc-server on 127.0.0.1:29052; the head's
 llama-server puts one of the tiny model's two layers on it with --rpc.
 
 Stand-ins, stated plainly: the two boxes share this machine's loopback as their private network;
@@ -13,6 +13,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import socket
+import struct
+import time
 import urllib.request
 
 import pytest
@@ -30,6 +33,7 @@ if os.geteuid() != 0:
 
 INVENTORY = PROJECT / "inventory" / "sandbox-rpc.yml"
 HEAD_URL = "http://127.0.0.1:8086"
+WORKER = "127.0.0.1:29052"
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +63,9 @@ def test_head_and_worker_converge_and_serve_with_layers_on_the_worker(head, work
     cmdline = in_sandbox(
         head, "tr '\\0' ' ' < /proc/$(systemctl show -P MainPID llama-server)/cmdline"
     )
-    assert "--rpc 127.0.0.1:50052" in cmdline
+    assert f"--rpc {WORKER}" in cmdline
     # The running head holds a connection to the worker ...
-    connections = in_sandbox(head, "ss -Htnp state established dst 127.0.0.1:50052")
+    connections = in_sandbox(head, f"ss -Htnp state established dst {WORKER}")
     assert '"llama-server"' in connections, connections
     # ... and its layers there: the deployed binary, started by hand with the unit's arguments
     # and `-lv 4` (the only level that logs buffers), shows the RPC device's model buffer. A
@@ -97,6 +101,37 @@ def test_verify_checks_the_worker_and_the_head(head, worker):
         assert passed in result.stdout, result.stdout[-4000:]
 
 
+def test_a_worker_whose_port_is_held_fails_naming_the_socket(head, worker):
+    # What once failed CI with the default port 50052: an outgoing loopback connection had been
+    # handed the worker's port, and ggml-rpc-server could not bind it (SO_REUSEADDR does not
+    # help). Here a connection bound to the port holds it while the worker starts. The head
+    # stops first: then it, not the worker, closes their connection, and the worker's port is
+    # left without a TIME-WAIT of its own.
+    in_sandbox(head, "systemctl stop llama-server")
+    in_sandbox(worker, "systemctl stop ggml-rpc-server")
+    host, port = WORKER.rsplit(":", 1)
+    with socket.create_server((host, 0)) as listener, socket.socket() as holder:
+        # Closing with a reset leaves no TIME-WAIT on the port for the next start.
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        holder.bind((host, int(port)))
+        holder.connect(listener.getsockname())
+        started = time.monotonic()
+        result = deploy(INVENTORY, "--limit", "rpc-worker")
+        waited = time.monotonic() - started
+    output = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert "Failed to create server socket" in output, output
+    assert f"sockets on port {port} now" in output, output
+    assert any("ESTAB" in line and f" {WORKER} " in line for line in output.splitlines()), output
+    assert "ephemeral range" not in output  # 29052 is below it
+    print(f"the failed deploy took {waited:.1f} s (the wait ends when the worker exits)")
+    assert waited < 55, waited  # not the 60 s the wait allows
+    results = sandboxes.converge(INVENTORY)
+    assert results["totals"]["error"] == 0
+    assert in_sandbox(worker, "systemctl is-active ggml-rpc-server") == "active"
+    assert complete()["tokens_predicted"] == 8
+
+
 def test_head_refuses_to_restart_without_its_worker(head, worker, tmp_path):
     import yaml
 
@@ -110,7 +145,7 @@ def test_head_refuses_to_restart_without_its_worker(head, worker, tmp_path):
         result = deploy(changed, "--limit", "rpc-head")
         output = result.stdout + result.stderr
         assert result.returncode != 0
-        assert "RPC worker(s) not reachable from this head: 127.0.0.1:50052" in output, output
+        assert f"RPC worker(s) not reachable from this head: {WORKER}" in output, output
         assert "Restart llama-server" not in output.split("RPC workers answer")[-1]
     finally:
         in_sandbox(worker, "systemctl start ggml-rpc-server")

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from llamarig import sandbox
-from llamarig.fileserver import UnsatisfiableRange, make_server, parse_range
-from llamarig.testmodel import sha256_file, write_test_model
+from llamarig import cli
+from llamarig_sandbox import sandbox
+from llamarig_sandbox.fileserver import UnsatisfiableRange, make_server, parse_range
+from llamarig_sandbox.testmodel import sha256_file, write_test_model
 
 # --- file server ---------------------------------------------------------------------------------
 
@@ -196,7 +197,10 @@ def test_nspawn_command_binds_caches():
 
 
 def test_urls():
-    assert sandbox.model_url(8765) == "http://127.0.0.1:8765/tiny-llama.gguf"
+    assert sandbox.model_url(8765) == "http://127.0.0.1:8765/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert sandbox.model_url(8765, sandbox.TEST_MODEL_NAME) == (
+        "http://127.0.0.1:8765/tiny-llama.gguf"
+    )
     assert sandbox.git_url(9418) == "git://127.0.0.1:9418/llama.cpp.git"
 
 
@@ -206,6 +210,33 @@ def test_main_refuses_non_root(monkeypatch, capsys):
     error = capsys.readouterr().err
     assert error.count("\n") == 1
     assert "root" in error
+
+
+def test_llamarig_sandbox_runs_the_sandbox_package_under_its_own_name(monkeypatch, capsys):
+    """`llamarig sandbox ...` is the sandbox package's command line, named as the user typed it."""
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    assert cli.main(["sandbox", "status"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "llamarig sandbox: error: the sandbox must be managed"
+    )
+
+
+def test_ssh_command_pins_the_host_key_and_offers_only_the_sandbox_key():
+    info = sandbox.SandboxInfo(
+        name="sandbox-trixie", release="trixie", ssh_port=2223, key_path="/keys/id_ed25519",
+        known_hosts_path="/state/known_hosts", root_dir="/run/sandbox-trixie",
+        model_url=sandbox.model_url(8765), model_sha256="0" * 64,
+        test_model_url=sandbox.model_url(8765, sandbox.TEST_MODEL_NAME), test_model_sha256="1" * 64,
+        git_url=sandbox.git_url(9418),
+    )  # fmt: skip
+    command = sandbox._ssh_command(info)
+    options = {command[i + 1] for i, word in enumerate(command) if word == "-o"}
+    assert {
+        "StrictHostKeyChecking=yes", "BatchMode=yes", "UserKnownHostsFile=/state/known_hosts",
+        "IdentityFile=/keys/id_ed25519", "IdentitiesOnly=yes",
+    } <= options  # fmt: skip
+    assert command[0] == "ssh" and command[-2:] == ["--", "root@127.0.0.1"]
+    assert command[command.index("-p") + 1] == "2223"
 
 
 def test_main_rejects_bad_name(monkeypatch, capsys):
@@ -238,7 +269,7 @@ def test_supervise_returns_other_exit_codes(capfd):
 
 def test_supervisor_passes_sigterm_on_and_stops():
     supervisor = subprocess.Popen(
-        [sys.executable, "-m", "llamarig.sandbox", "_supervise", "--", "sleep", "60"],
+        [sys.executable, "-m", "llamarig_sandbox.sandbox", "_supervise", "--", "sleep", "60"],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -32,3 +32,11 @@ def test_expectations_carry_the_planned_data(file_server, tmp_path):
     assert expected["derived"]["base_url"] == "http://127.0.0.1:8001"
     assert expected["derived"]["nvcc"] == "/usr/local/cuda-13.0/bin/nvcc"
     assert expected["derived"]["cmake_options"]["CMAKE_CUDA_ARCHITECTURES"] == "86-real;120a-real"
+    # The model check's files and digests, the records trusted unless `verify --rehash`.
+    data = host.data
+    assert expected["model_files"] == [
+        {"path": f"{data['paths']['models']}/{data['model']['filename'] or 'model.gguf'}",
+         "sha256": data["model"]["sha256"]}
+    ]  # fmt: skip
+    assert expected["rehash"] is False and expectations(host, rehash=True)["rehash"] is True
+    assert expected["checksum_records"] == "/var/lib/llamarig/checksums"

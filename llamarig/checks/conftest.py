@@ -109,7 +109,8 @@ def api(host, derived, serving_rig):
         """GET (or POST ``body``); with the host's root-only API key header when one is set."""
         payload = derived["curl_auth"] if auth else ""
         if body is not None:
-            payload += f" -H 'Content-Type: application/json' -d '{json.dumps(body)}'"
+            # One quoted argument: a prompt of `expect.answers` may hold any character.
+            payload += f" -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
         result = host.run(
             f"curl -s -o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} "
             f"-- {shlex.quote(base + path)}; "

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
+import shlex
+import time
+from pathlib import Path
 
 import pytest
 
-from llamarig.config import LOOPBACK_HOSTS
+from llamarig import answers, checksums
+from llamarig.config.addresses import is_loopback
 from llamarig.hardware import check_versions, cuda_architecture, device_access_problems
 from llamarig.platform import SUPPORTED, os_key
 
@@ -220,6 +225,34 @@ def test_binary_has_device_code_for_every_gpu(host, data, derived, gpus):
         assert f"sm_{arch}" in elf, f"no sm_{arch} code for {gpu['name']} in {path}"
 
 
+# --- model ---------------------------------------------------------------------------------
+
+
+def test_model_files_match_their_sha256(host, rig, serving_rig):
+    """Each model file has its sha256: read from the deploy's checksum record while the file is
+    unchanged since it was hashed, else (and with `llamarig verify --rehash`) hashed here."""
+    checked = [file for file in rig["model_files"] if file["sha256"]]
+    if not checked:
+        pytest.skip("model.sha256 is not set: the model file on the host is not checked")
+    wrong = []
+    for file in checked:
+        path = file["path"]
+        read = checksums.read_command(path, rig["checksum_records"])
+        found = checksums.trusted_sha256(host.run(read).stdout.splitlines())
+        assert found is not None, f"model file {path} does not exist: run the deploy"
+        digest, how = (None if rig["rehash"] else found["sha256"]), "recorded"
+        if digest is None:
+            result = host.run(f"sha256sum < {shlex.quote(path)}")
+            assert result.rc == 0, f"cannot read model file {path}: {result.stderr.strip()}"
+            digest, how = result.stdout.split(" ", 1)[0], "hashed"
+        expected = file["sha256"]
+        if digest != expected:
+            wrong.append(f"model file {path} has sha256 {digest} ({how}), expected {expected}")
+    assert not wrong, "; ".join(wrong) + (
+        ": run the deploy (it downloads a model from its URL again) or replace the file"
+    )
+
+
 # --- service and API -----------------------------------------------------------------------
 
 
@@ -297,7 +330,7 @@ def test_listens_only_where_configured(host, data, derived):
     assert mine == [address], f"port {port} is listened on at {mine}, configured only {address}" + (
         " (RPC has no authentication: keep it on the private address)" if worker else ""
     )
-    if not worker and address not in LOOPBACK_HOSTS:
+    if not worker and not is_loopback(address):
         assert derived["api_key"], (
             f"llama-server listens on {address} (not loopback) without an API key: "
             "anyone on the network can use it; set an API key or listen on 127.0.0.1"
@@ -382,6 +415,29 @@ def test_decode_speed_floor(api, data):
     speed = json.loads(body)["timings"]["predicted_per_second"]
     print(f"decode: {speed:.1f} tokens/s (floor {floor})")
     assert speed >= floor, f"decode {speed:.1f} tokens/s is below the floor {floor}"
+
+
+def pytest_generate_tests(metafunc):
+    # One test per entry of expect.answers, named by its index (the data is on disk before the
+    # suite is collected; without it the `rig` fixture stops the run with the reason).
+    if "answer" not in metafunc.fixturenames:
+        return
+    path = os.environ.get("LLAMARIG_VERIFY_DATA")
+    data = json.loads(Path(path).read_text(encoding="utf-8"))["data"] if path else None
+    found = answers.answers(data) if data else []
+    metafunc.parametrize("answer", found, ids=[f"answers[{a.index}]" for a in found])
+
+
+def test_expected_answer(api, answer):
+    """Greedy decoding: a rig that builds, loads and serves can still answer gibberish (a
+    wrong architecture list, a bad split, a corrupt quantisation)."""
+    path, body = answers.request(answer)
+    started = time.monotonic()
+    code, text = api(path, body)
+    seconds = time.monotonic() - started
+    problem = answers.verdict(answer, code, text)
+    print(problem or f"{answer.name} answered right in {seconds:.1f} s")
+    assert problem is None, problem
 
 
 # --- RPC (several boxes) --------------------------------------------------------------------

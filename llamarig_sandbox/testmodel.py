@@ -27,7 +27,7 @@ WEIGHT_SCALE = 0.02
 TOKENIZER_PREFIX = "tokenizer.ggml."
 
 
-def _copy_tokenizer(writer: GGUFWriter, vocab: GGUFReader) -> int:
+def copy_tokenizer(writer: GGUFWriter, vocab: GGUFReader) -> int:
     """Copy every tokenizer.ggml.* key from the vocabulary GGUF; return the token count."""
     n_vocab = 0
     for key, field in vocab.fields.items():
@@ -91,7 +91,7 @@ def write_test_model(
     writer.add_layer_norm_rms_eps(RMS_NORM_EPS)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_rope_freq_base(ROPE_FREQ_BASE)
-    n_vocab = _copy_tokenizer(writer, vocab)
+    n_vocab = copy_tokenizer(writer, vocab)
     writer.add_vocab_size(n_vocab)
 
     rng = np.random.default_rng(seed)

@@ -2,7 +2,7 @@
 
 It stands in for a model hub when the sandbox rig downloads models:
 
-    python -m llamarig.fileserver --root DIR --port P [--bind 127.0.0.1]
+    python -m llamarig_sandbox.fileserver --root DIR --port P [--bind 127.0.0.1]
 """
 
 import argparse
@@ -133,7 +133,9 @@ def make_server(root: str | os.PathLike, port: int, bind: str = "127.0.0.1") -> 
 
 def main(argv: list[str] | None = None) -> int:
     """Serve a directory until interrupted."""
-    parser = argparse.ArgumentParser(prog="python -m llamarig.fileserver", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m llamarig_sandbox.fileserver", description=__doc__
+    )
     parser.add_argument("--root", required=True, help="directory to serve")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--bind", default="127.0.0.1")

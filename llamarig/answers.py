@@ -1,0 +1,144 @@
+"""The answer check (`expect.answers`): each answer's request, the host command that sends it,
+and the verdict on the reply. One definition for `llamarig verify` (llamarig/checks) and the
+deploy's post-start check (operations.serve_or_roll_back), so both judge alike.
+
+Greedy decoding (temperature 0, a fixed seed) makes an answer a property of the model and the
+build: a wrong architecture list or a broken split shows as a wrong answer at full speed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+from dataclasses import dataclass
+
+from llamarig.render import CURL_AUTH
+
+# Per-answer defaults (documented in group_data/all.yml and schema.json): a short answer is
+# all a check needs, and it keeps the check to about a second on a CPU rig.
+DEFAULT_MAX_TOKENS = 32
+DEFAULT_CHAT = False
+SEED = 42
+# Seconds one answer may take: a cold CPU rig decodes 32 tokens in a few seconds.
+REQUEST_TIMEOUT_S = 120
+# How much of an actual answer a failure quotes.
+QUOTED_ANSWER_CHARS = 300
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One entry of `expect.answers`, with the per-answer defaults applied."""
+
+    index: int
+    prompt: str
+    chat: bool
+    contains: str | None
+    matches: str | None
+    max_tokens: int
+
+    @property
+    def name(self) -> str:
+        """How a failure names it: its key path and its prompt."""
+        return f"expect.answers[{self.index}] ({self.prompt!r})"
+
+    @property
+    def expectation(self) -> str:
+        if self.contains is not None:
+            return f"to contain {self.contains!r}"
+        return f"to match the regex {self.matches!r}"
+
+
+def answers(data: dict) -> list[Answer]:
+    """The rig's answers, defaults applied; none for an RPC worker, which holds no model."""
+    if data["role"] == "rpc-worker":
+        return []
+    return [
+        Answer(
+            index=index,
+            prompt=entry["prompt"],
+            chat=entry.get("chat", DEFAULT_CHAT),
+            contains=entry.get("contains"),
+            matches=entry.get("matches"),
+            max_tokens=entry.get("max_tokens", DEFAULT_MAX_TOKENS),
+        )
+        for index, entry in enumerate(data["expect"]["answers"])
+    ]
+
+
+def request(answer: Answer) -> tuple[str, dict]:
+    """The API path and JSON body that ask the answer's question greedily."""
+    return greedy_request(answer.prompt, answer.chat, answer.max_tokens)
+
+
+def greedy_request(prompt: str, chat: bool, max_tokens: int) -> tuple[str, dict]:
+    """The API path and JSON body that ask ``prompt`` greedily: as a completion, or as the
+    user's message through the model's chat template."""
+    greedy = {"temperature": 0, "seed": SEED}
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        return "/v1/chat/completions", {"messages": messages, "max_tokens": max_tokens, **greedy}
+    return "/completion", {"prompt": prompt, "n_predict": max_tokens, **greedy}
+
+
+def reply_text(chat: bool, body: str) -> str:
+    """The generated text of a reply body (ValueError when it has none)."""
+    try:
+        reply = json.loads(body)
+        text = reply["choices"][0]["message"]["content"] if chat else reply["content"]
+    except (ValueError, KeyError, IndexError, TypeError) as error:
+        raise ValueError(f"no answer in the reply: {body[:QUOTED_ANSWER_CHARS]!r}") from error
+    if not isinstance(text, str):
+        raise ValueError(f"no answer in the reply: {body[:QUOTED_ANSWER_CHARS]!r}")
+    return text
+
+
+def is_right(answer: Answer, text: str) -> bool:
+    """`contains`: a case-sensitive substring; `matches`: `re.search` anywhere in the text."""
+    if answer.contains is not None:
+        return answer.contains in text
+    return re.search(answer.matches, text) is not None
+
+
+def verdict(answer: Answer, status: int, body: str) -> str | None:
+    """None when the reply is right; else what failed, naming the answer, the expectation and
+    the actual answer."""
+    if status != 200:
+        return f"{answer.name}: the server answered HTTP {status}: {body[:QUOTED_ANSWER_CHARS]!r}"
+    try:
+        text = reply_text(answer.chat, body)
+    except ValueError as error:
+        return f"{answer.name}: {error}"
+    if is_right(answer, text):
+        return None
+    return (
+        f"{answer.name}: expected the answer {answer.expectation}, "
+        f"got {text[:QUOTED_ANSWER_CHARS]!r}"
+    )
+
+
+# Ends the body so the status code can be split off the last line.
+STATUS_MARK = "\nllamarig-http-status:"
+
+
+def check_command(base_url: str, answer: Answer) -> str:
+    """The shell command, run on the host, that asks the question and prints the reply body
+    then the HTTP status (see `parse_output`). The prompt travels inside one quoted printf
+    argument on stdin (a builtin: in no process's argv), the key as the root-only header file."""
+    path, body = request(answer)
+    write_out = shlex.quote(STATUS_MARK + "%{http_code}")
+    return (
+        f"printf '%s' {shlex.quote(json.dumps(body))} | curl -sS --max-time {REQUEST_TIMEOUT_S} "
+        f"{CURL_AUTH} -H 'Content-Type: application/json' --data-binary @- "
+        f"-w {write_out} -- {shlex.quote(base_url + path)}"
+    )
+
+
+def parse_output(output: str) -> tuple[int, str]:
+    """(HTTP status, body) from `check_command`'s output; status 0 when curl got no reply."""
+    body, mark, status = output.rpartition(STATUS_MARK)
+    if not mark:
+        return 0, output
+    try:
+        return int(status.strip()), body
+    except ValueError:
+        return 0, output

@@ -1,0 +1,192 @@
+"""A Hugging Face reference resolved on the control machine, before any host is touched, into
+the URL(s) and sha256(s) the download path uses, and recorded so that a re-run does not move.
+
+The record is ``models.lock.yml`` beside the inventory file, which the user commits with it:
+for each reference (endpoint, repo, revision as given, file or quant) the commit it resolved to
+and every file's path, size and sha256. A later run (deploy or ``llamarig plan``) takes a
+recorded reference from the file without asking the Hub, so ``revision: main`` keeps meaning
+the commit first seen until the user asks again: ``llamarig plan --update-models``, or
+``LLAMARIG_UPDATE_MODELS=1`` for a deploy, resolves every reference anew and rewrites its
+record.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from pathlib import Path
+from urllib.parse import quote
+
+import yaml
+
+from llamarig.config.paths import inventory_path
+from llamarig.hubref import DEFAULT_ENDPOINT, DEFAULT_REVISION, HubError, validated
+from llamarig.shards import shard_count
+
+LOCK_NAME = "models.lock.yml"
+UPDATE_ENV = "LLAMARIG_UPDATE_MODELS"
+_HEADER = """\
+# The commits llamarig resolved Hugging Face model references to, and each file's sha256.
+# Commit this file with the inventory: later runs fetch exactly these files. To move to what
+# the references name now: `llamarig plan --update-models` (or LLAMARIG_UPDATE_MODELS=1 for a
+# deploy). Written by llamarig; edit only by deleting an entry.
+"""
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_REPO_PATH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*\.gguf")
+
+
+def lock_path() -> Path:
+    """``models.lock.yml`` in the directory of the inventory RIG_INVENTORY names."""
+    return inventory_path().parent / LOCK_NAME
+
+
+def update_requested() -> bool:
+    return os.environ.get(UPDATE_ENV, "") not in ("", "0")
+
+
+def reference_of(model: dict) -> dict:
+    """The key a reference is recorded under: what names the files, defaults filled in (the
+    token file is not part of it: it grants access, it does not choose the files)."""
+    key = {
+        "endpoint": (model["endpoint"] or DEFAULT_ENDPOINT).rstrip("/"),
+        "hf": model["hf"],
+        "revision": model["revision"] or DEFAULT_REVISION,
+    }
+    key.update({name: model[name] for name in ("file", "quant") if model[name]})
+    return key
+
+
+def read_lock(path: Path) -> list[dict]:
+    """The recorded entries, each checked into shapes that cannot carry shell syntax (the file
+    is the user's to commit, so it is read as untrusted input)."""
+    try:
+        document = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise _lock_error(path, f"cannot be read ({error})") from None
+    entries = (document or {}).get("models", []) if isinstance(document, dict) else None
+    if not isinstance(entries, list):
+        raise _lock_error(path, "has no `models:` list")
+    for index, entry in enumerate(entries):
+        problem = _entry_problem(entry)
+        if problem:
+            raise _lock_error(path, f"entry {index + 1}: {problem}")
+    return entries
+
+
+def _entry_problem(entry: object) -> str | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("reference"), dict):
+        return "not a mapping with `reference`, `commit` and `files`"
+    try:
+        validated(entry["reference"])
+    except HubError as error:
+        return f"reference: {error.message}"
+    if not isinstance(entry.get("commit"), str) or not _COMMIT.fullmatch(entry["commit"]):
+        return f"commit {entry.get('commit')!r} is not 40 hex digits"
+    files = entry.get("files")
+    if not isinstance(files, list) or not files:
+        return "`files` is not a list of {path, size, sha256}"
+    for file in files:
+        if not (
+            isinstance(file, dict)
+            and isinstance(file.get("path"), str)
+            and _REPO_PATH.fullmatch(file["path"])
+            and isinstance(file.get("sha256"), str)
+            and _SHA256.fullmatch(file["sha256"])
+            and isinstance(file.get("size"), int)
+        ):
+            return f"file {file!r} is not {{path: DIR/NAME.gguf, size, sha256: 64 hex digits}}"
+    if len(files) != shard_count(files[0]["path"]):
+        return f"{files[0]['path']} names {shard_count(files[0]['path'])} shards, not {len(files)}"
+    return None
+
+
+def _lock_error(path: Path, message: str) -> HubError:
+    return HubError(
+        ("model", "hf"),
+        f"{path} {message}: delete the file (or the entry) to resolve the references again",
+    )
+
+
+def write_entry(path: Path, entry: dict) -> None:
+    """Record ``entry``, replacing the one of the same reference; written whole, then renamed
+    into place, so a reader never sees half a file."""
+    entries = [e for e in read_lock(path) if e["reference"] != entry["reference"]]
+    entries.append(entry)
+    entries.sort(key=lambda e: sorted(e["reference"].items()))
+    text = _HEADER + yaml.safe_dump({"models": entries}, sort_keys=True, width=100)
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+
+
+def recorded(model: dict, lock: Path, update: bool) -> dict:
+    """The lock entry of the model's reference: the recorded one, else (or with ``update``) one
+    resolved now through the Hub and recorded."""
+    reference = reference_of(model)
+    if not update:
+        for entry in read_lock(lock):
+            if entry["reference"] == reference:
+                return entry
+    from llamarig import hub  # the network side, imported only when a reference is resolved
+
+    asked = {**reference, **({"token_file": model["token_file"]} if model["token_file"] else {})}
+    found = hub.resolve(asked)
+    entry = {
+        "reference": reference,
+        "commit": found.commit,
+        "requires_token": found.requires_token,
+        "files": [
+            {"path": shard.path, "size": shard.size, "sha256": shard.sha256}
+            for shard in found.shards
+        ],
+    }
+    write_entry(lock, entry)
+    return entry
+
+
+def file_url(reference: dict, commit: str, path: str) -> str:
+    """The resolve URL of a file of the repo, pinned to the commit (as huggingface_hub builds
+    it: the path's parts percent-quoted)."""
+    return f"{reference['endpoint']}/{reference['hf']}/resolve/{commit}/{quote(path)}"
+
+
+def resolved(data: dict, lock: Path | None = None, update: bool | None = None) -> dict:
+    """The rig data with a Hugging Face reference turned into what a URL model has: ``url``
+    (the first file's, pinned to the commit), ``sha256`` (one, or a list for a split model)
+    and ``filename``; data without a reference is returned as it is. Raises HubError (the
+    model key at fault and the fix) for a reference that does not resolve, a sha256 pin the
+    Hub contradicts, or a filename given for a split model."""
+    model = data["model"]
+    if not model["hf"]:
+        return data
+    lock = lock_path() if lock is None else lock
+    entry = recorded(model, lock, update_requested() if update is None else update)
+    reference, files = entry["reference"], entry["files"]
+    digests = [file["sha256"] for file in files]
+    pinned = model["sha256"]
+    if pinned is not None and (pinned if isinstance(pinned, list) else [pinned]) != digests:
+        raise HubError(
+            ("model", "sha256"),
+            f"pins {pinned!r}, but {reference['hf']} at {entry['commit'][:12]} has "
+            f"{digests[0] if len(digests) == 1 else digests} for {files[0]['path']}"
+            + (f" (and its {len(files) - 1} other shards)" if len(files) > 1 else "")
+            + ": the file changed upstream; check it, then update or remove model.sha256",
+        )
+    first = files[0]["path"].rsplit("/", 1)[-1]
+    if len(files) > 1 and model["filename"]:
+        raise HubError(
+            ("model", "filename"),
+            f"cannot rename a split model: llama.cpp finds the {len(files)} shards of {first} "
+            "by their names; remove `filename`",
+        )
+    out = copy.deepcopy(data)
+    out["model"].update(
+        url=file_url(reference, entry["commit"], files[0]["path"]),
+        sha256=digests if len(files) > 1 else digests[0],
+        filename=model["filename"] or first,
+    )
+    return out

@@ -1,0 +1,659 @@
+"""`llamarig tune`: measure, on the target with the deployed build, the configurations that fit,
+and write the fastest to a tuned-settings file beside the inventory.
+
+The sweep is a bounded list of llama-bench runs, each a decode (the speed a chat user feels)
+and a prompt of PROMPT_TOKENS (what the micro-batch size changes):
+split modes, the planned ratio and its neighbours and micro-batch sizes on a GPU rig; threads
+and micro-batch sizes on a CPU rig. Each candidate is planned first (the memory plan refuses
+what would not fit) and measured once per run of the command; results are kept in a sweep file
+next to the tuned file, so a run cut short by its time bound resumes where it stopped. The
+winner is the fastest decode; among decodes within ``KEEP_WITHIN`` of it, the fastest prompt
+processing; the planned configuration stays unless clearly beaten, so a re-run does not flip
+between equals. With speculative decoding (``server.spec.type``), each draft length is then
+served by a temporary llama-server on loopback, since llama-bench does not draft.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import shlex
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import yaml
+
+from llamarig import render
+from llamarig.config import HostConfig
+from llamarig.config.inventory import tuned_path
+from llamarig.hardware import memory_bandwidth_gbs
+from llamarig.hubref import HubError
+from llamarig.model_lock import resolved
+from llamarig.plan import HostPlan, plan_host
+from llamarig.remote import gather, run_on_host, shell_reader
+
+UBATCH_SIZES = (256, 512, 1024)
+RATIO_STEP = 0.05
+DECODE_TOKENS = 64
+PROMPT_TOKENS = 512
+REPETITIONS = 3
+# llama-bench's spread between repetitions is about 1%: a candidate must beat the planned
+# configuration by more than this to replace it, so a re-run does not flip between equals.
+KEEP_WITHIN = 0.02
+# Speculative decoding (server.spec): llama-bench does not draft, so each draft length is
+# served by the deployed llama-server on a loopback port of its own and asked the same short
+# prompts, greedy; their median decode speed is the draft length's.
+DRAFT_MAX_VALUES = (1, 2, 3, 4)
+DRAFT_TOKENS = 128
+DRAFT_PROMPTS = (
+    "List the numbers from 1 to 40, separated by commas.",
+    "Write a Python function that returns the sum of a list of integers, with a docstring.",
+    "Repeat this sentence five times: the quick brown fox jumps over the lazy dog.",
+)
+DRAFT_PORT_OFFSET = 1000
+DRAFT_START_SECONDS = 600
+
+
+class TuneError(Exception):
+    """Why tune refuses to run, worded for the user."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    split_mode: str
+    tensor_split: tuple[float, ...] | None
+    ubatch: int
+    threads: int | None
+
+    @property
+    def label(self) -> str:
+        parts = [self.split_mode]
+        if self.tensor_split:
+            parts.append(":".join(f"{share:g}" for share in self.tensor_split))
+        parts.append(f"ub {self.ubatch}")
+        if self.threads:
+            parts.append(f"t {self.threads}")
+        return " ".join(parts)
+
+    def settings(self) -> dict:
+        """The server settings this candidate stands for, as the tuned file writes them."""
+        return {
+            "split_mode": self.split_mode,
+            "tensor_split": list(self.tensor_split) if self.tensor_split else None,
+            "ubatch": self.ubatch,
+            "threads": self.threads,
+        }
+
+
+def planned_candidate(plan: HostPlan) -> Candidate:
+    server = plan.resolved["server"]
+    split = server["tensor_split"]
+    return Candidate(
+        server["split_mode"],
+        tuple(round(share, 3) for share in split) if isinstance(split, list) else None,
+        server["ubatch"],
+        server["threads"],
+    )
+
+
+def _neighbour_ratios(ratio: tuple[float, ...]) -> list[tuple[float, ...]]:
+    """The ratio and, for two GPUs, a step to either side (shares of the first card)."""
+    if len(ratio) != 2:
+        return [ratio]
+    first = ratio[0]
+    shares = [first - RATIO_STEP, first, first + RATIO_STEP]
+    return [(round(s, 3), round(1 - s, 3)) for s in shares if 0 < s < 1]
+
+
+def candidates(plan: HostPlan, cpu_count: int) -> list[Candidate]:
+    """The configurations worth measuring on this rig, the planned one first."""
+    data = plan.resolved
+    server = data["server"]
+    planned = planned_candidate(plan)
+    ubatches = sorted({u for u in (*UBATCH_SIZES, server["ubatch"]) if u <= server["batch"]})
+    found = [planned]
+    if data["llama_cpp"]["backend"] != "cuda":
+        threads = sorted({t for t in (cpu_count // 2, cpu_count, server["threads"]) if t})
+        found += [Candidate("none", None, u, t) for t in threads for u in ubatches]
+    else:
+        ratio = planned.tensor_split or (
+            tuple(round(s, 3) for s in plan.memory.ratio) if plan.memory else None
+        )
+        if len(plan.used_gpus) >= 2 and ratio:
+            splits = [(mode, r) for mode in ("tensor", "layer") for r in _neighbour_ratios(ratio)]
+        else:
+            splits = [(planned.split_mode, planned.tensor_split)]
+        found += [Candidate(m, r, u, planned.threads) for m, r in splits for u in ubatches]
+    return list(dict.fromkeys(found))
+
+
+def with_candidate(data: dict, candidate: Candidate) -> dict:
+    changed = copy.deepcopy(data)
+    changed["server"].update(candidate.settings())
+    return changed
+
+
+def bench_command(plan: HostPlan, candidate: Candidate) -> str:
+    """The llama-bench command line for one candidate (decode only, JSON on stdout)."""
+    data = with_candidate(plan.resolved, candidate)
+    server = data["server"]
+    paths = render.layout(data)
+    flash_attn = "on" if candidate.split_mode == "tensor" else server["flash_attn"]
+    args = [
+        f"{paths['current']}/bin/llama-bench",
+        "-m",
+        paths["model"],
+        "-p",
+        str(PROMPT_TOKENS),
+        "-n",
+        str(DECODE_TOKENS),
+        "-r",
+        str(REPETITIONS),
+        "-o",
+        "json",
+        "-b",
+        str(server["batch"]),
+        "-ub",
+        str(candidate.ubatch),
+        "-ctk",
+        server["cache_type_k"],
+        "-ctv",
+        server["cache_type_v"],
+        "-fa",
+        flash_attn,
+    ]
+    if data["llama_cpp"]["backend"] == "cuda":
+        layers = server["gpu_layers"]
+        devices = render.cuda_device_names(data["gpus"])[: len(plan.used_gpus) or 1]
+        args += ["-ngl", str(layers if isinstance(layers, int) else 999), "-sm"]
+        args.append(candidate.split_mode)
+        if candidate.split_mode == "none":
+            devices = devices[:1]
+        args += ["-dev", "/".join(devices)]
+        if candidate.tensor_split and candidate.split_mode != "none":
+            args += ["-ts", "/".join(f"{share:g}" for share in candidate.tensor_split)]
+    if candidate.threads:
+        args += ["-t", str(candidate.threads)]
+    return render.shell_join(args)
+
+
+def bench_speeds(output: str) -> tuple[float, float, float]:
+    """Decode tokens/s, its spread and prompt tokens/s from llama-bench's JSON output."""
+    rows = json.loads(output)
+    decode = [row for row in rows if row.get("n_gen")]
+    prompt = [row for row in rows if row.get("n_prompt") and not row.get("n_gen")]
+    if not decode or not prompt:
+        raise ValueError("llama-bench printed no decode and prompt results")
+    return float(decode[0]["avg_ts"]), float(decode[0]["stddev_ts"]), float(prompt[0]["avg_ts"])
+
+
+def roofline_tps(plan: HostPlan) -> float | None:
+    """Decode ceiling: the weights each GPU reads per token over its memory bandwidth (layer
+    mode reads the cards one after the other, tensor mode at once); None on a CPU rig or an
+    unknown card."""
+    if not plan.memory or not plan.used_gpus:
+        return None
+    seconds = []
+    for gpu, device in zip(plan.used_gpus, plan.memory.devices, strict=False):
+        bandwidth = memory_bandwidth_gbs(gpu["name"])
+        if not bandwidth:
+            return None
+        seconds.append(device.weights_mib * (1 << 20) / (bandwidth * 1e9))
+    mode = plan.resolved["server"]["split_mode"]
+    per_token = max(seconds) if mode == "tensor" else sum(seconds)
+    return 1 / per_token if per_token else None
+
+
+@dataclass
+class Measured:
+    candidate: Candidate
+    tps: float | None = None  # decode
+    spread: float | None = None
+    prompt_tps: float | None = None
+    skipped: str = ""  # why it was not measured: does not fit, failed, time bound
+
+
+def winner(results: list[Measured], planned: Candidate) -> Measured:
+    """The fastest decode; among the decodes equal to it the fastest prompt; the planned
+    configuration whenever it is among those and within KEEP_WITHIN of that prompt speed."""
+    measured = [r for r in results if r.tps]
+    if not measured:
+        raise TuneError("no configuration could be measured")
+    fastest = max(measured, key=lambda r: r.tps)
+    # Equal decodes: within KEEP_WITHIN, or within each other's spread (a busy host's runs
+    # scatter more than llama-bench's usual 1%).
+    equals = [
+        r
+        for r in measured
+        if r.tps >= fastest.tps * (1 - KEEP_WITHIN)
+        or r.tps + r.spread >= fastest.tps - fastest.spread
+    ]
+    best = max(equals, key=lambda r: r.prompt_tps)
+    current = next((r for r in equals if r.candidate == planned), None)
+    if current and current.prompt_tps >= best.prompt_tps * (1 - KEEP_WITHIN):
+        return current
+    return best
+
+
+def table(results: list[Measured], chosen: Measured, roofline: float | None) -> str:
+    lines = [f"{'configuration':<32}{'decode t/s':>11}{'+-':>7}{'prompt t/s':>12}  note"]
+    for result in results:
+        speed = (
+            f"{result.tps:>11.1f}{result.spread:>7.1f}{result.prompt_tps:>12.1f}"
+            if result.tps
+            else f"{'-':>11}{'':>7}{'-':>12}"
+        )
+        note = result.skipped or ("<- tuned" if result is chosen else "")
+        if result.tps and roofline:
+            note = f"{result.tps / roofline:.0%} of roofline {note}".strip()
+        lines.append(f"{result.candidate.label:<32}{speed}  {note}")
+    if roofline:
+        lines.append(f"memory-bandwidth roofline of the planned split: {roofline:.1f} t/s")
+    return "\n".join(lines)
+
+
+def plot(
+    results: list[Measured],
+    chosen: Measured,
+    roofline: float | None,
+    path: Path,
+    drafts: list[DraftMeasured] = (),
+    draft: DraftMeasured | None = None,
+) -> bool:
+    """A bar chart of the sweep with the roofline, and of the served draft lengths beside it;
+    False when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    measured = [r for r in results if r.tps]
+    served = [r for r in drafts if r.tps]
+    height = 0.4 * len(measured) + 1.5
+    if not served:
+        figure, axes = plt.subplots(figsize=(8, height))
+    else:
+        figure, (axes, draft_axes) = plt.subplots(
+            1, 2, figsize=(12, height), gridspec_kw={"width_ratios": [2, 1]}
+        )
+        draft_axes.barh(
+            [f"draft_max {r.draft_max}" for r in served],
+            [r.tps for r in served],
+            color=["tab:green" if r is draft else "tab:blue" for r in served],
+        )
+        draft_axes.set_xlabel("served decode tokens/s (llama-server, median)")
+        draft_axes.invert_yaxis()
+    colours = ["tab:green" if r is chosen else "tab:blue" for r in measured]
+    axes.barh([r.candidate.label for r in measured], [r.tps for r in measured], color=colours)
+    if roofline:
+        axes.axvline(roofline, color="tab:red", label=f"roofline {roofline:.0f} t/s")
+        axes.legend()
+    axes.set_xlabel("decode tokens/s (llama-bench)")
+    axes.invert_yaxis()
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return True
+
+
+def write_tuned(
+    path: Path, host: str, chosen: Measured, identity: str, draft: DraftMeasured | None = None
+) -> None:
+    settings = {k: v for k, v in chosen.candidate.settings().items() if v is not None}
+    served = ""
+    if draft:
+        settings["spec"] = {"draft_max": draft.draft_max}
+        served = (
+            f"# draft_max {draft.draft_max} served at {draft.tps:.1f} t/s (median of "
+            f"{len(DRAFT_PROMPTS)} greedy prompts of {DRAFT_TOKENS} tokens).\n"
+        )
+    header = (
+        f"# Written by `llamarig tune` for {host} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC:\n"
+        f"# {chosen.candidate.label} decoded at {chosen.tps:.1f} t/s, prompt at "
+        f"{chosen.prompt_tps:.1f} t/s (llama-bench -n {DECODE_TOKENS} -p {PROMPT_TOKENS}, "
+        f"{REPETITIONS} repetitions; {identity}).\n"
+        f"{served}"
+        "# The loader merges it under the host's own settings; commit it like any other.\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump({"server": settings}, sort_keys=False))
+
+
+def sweep(
+    plan: HostPlan,
+    header_inputs: dict,
+    run: Callable[[str, float], tuple[int, str, str]],
+    cpu_count: int,
+    sweep_file: Path,
+    identity: str,
+    deadline: float,
+    say: Callable[[str], None],
+) -> list[Measured]:
+    """Plan and measure every candidate until ``deadline`` (time.monotonic), reusing what
+    ``sweep_file`` holds for the same build and model (``identity``)."""
+    saved = _saved(sweep_file, identity)
+    results = []
+    for candidate in candidates(plan, cpu_count):
+        result = Measured(candidate)
+        results.append(result)
+        if candidate.label in saved:
+            result.tps, result.spread, result.prompt_tps = saved[candidate.label]
+            say(f"  {candidate.label}: {result.tps:.1f} t/s (measured before)")
+            continue
+        trial = plan_host(plan.host, with_candidate(plan.resolved, candidate), **header_inputs)
+        if not trial.fits:
+            result.skipped = "does not fit: " + (trial.errors or ["memory"])[0].splitlines()[0]
+            continue
+        if time.monotonic() > deadline:
+            result.skipped = "not measured (time bound; run tune again to resume)"
+            continue
+        say(f"  {candidate.label}: measuring")
+        status, output, error = run(bench_command(plan, candidate), 600)
+        try:
+            if status:
+                raise ValueError(error.strip().splitlines()[-1] if error.strip() else "failed")
+            result.tps, result.spread, result.prompt_tps = bench_speeds(output)
+        except ValueError as problem:
+            result.skipped = f"llama-bench failed: {problem}"
+            continue
+        saved[candidate.label] = [result.tps, result.spread, result.prompt_tps]
+        _save(sweep_file, identity, saved)
+    return results
+
+
+def _saved(sweep_file: Path, identity: str) -> dict:
+    """What the sweep file holds for this build and model (empty for another)."""
+    if sweep_file.is_file():
+        document = json.loads(sweep_file.read_text())
+        if document.get("identity") == identity:
+            return document["results"]
+    return {}
+
+
+def _save(sweep_file: Path, identity: str, saved: dict) -> None:
+    sweep_file.parent.mkdir(parents=True, exist_ok=True)
+    sweep_file.write_text(json.dumps({"identity": identity, "results": saved}, indent=1))
+
+
+@dataclass
+class DraftMeasured:
+    draft_max: int
+    tps: float | None = None  # the median of the prompts' decode speeds
+    low: float | None = None  # the slowest and fastest prompt
+    high: float | None = None
+    skipped: str = ""
+
+
+def draft_port(data: dict) -> int:
+    """The temporary server's port: beside the service's, never the service's own."""
+    port = data["server"]["port"]
+    return (
+        port + DRAFT_PORT_OFFSET if port + DRAFT_PORT_OFFSET <= 65535 else port - DRAFT_PORT_OFFSET
+    )
+
+
+def draft_server_data(plan: HostPlan, chosen: Candidate, draft_max: int) -> dict:
+    """The rig data of one temporary server: the tuned settings and ``draft_max``, bound to
+    loopback only on a port beside the service's."""
+    data = with_candidate(plan.resolved, chosen)
+    server = data["server"]
+    server["spec"] = {**server["spec"], "draft_max": draft_max}
+    server["port"] = draft_port(plan.resolved)
+    server["host"] = "127.0.0.1"
+    return data
+
+
+def draft_start_command(data: dict) -> str:
+    """Start the planned llama-server outside the unit, detached from the ssh session, with
+    the launcher's environment; prints its pid. Refuses a port something answers on."""
+    environment = render.service_environment(data)
+    home = shlex.quote(environment["HOME"])
+    health = shlex.quote(f"{render.base_url(data)}/health")
+    port = data["server"]["port"]
+    return "; ".join(
+        [
+            *(f"export {key}={shlex.quote(value)}" for key, value in environment.items()),
+            f"mkdir -p {home} && cd {home} || exit 1",
+            # curl's 7: nothing listens there (connection refused).
+            f"curl -s -o /dev/null -m 5 -- {health}; [ $? -eq 7 ] || "
+            f"{{ echo 'port {port} is in use on the host' >&2; exit 3; }}",
+            f"setsid {render.shell_join(render.foreground_args(data))} "
+            "</dev/null >tune-draft.log 2>&1 & echo $!",
+        ]
+    )
+
+
+def draft_wait_command(data: dict, pid: int) -> str:
+    """Wait for /health 200; fail with the log's last lines if the server exits first."""
+    health = shlex.quote(f"{render.base_url(data)}/health")
+    log = shlex.quote(f"{render.service_environment(data)['HOME']}/tune-draft.log")
+    return (
+        f"i=0; while [ $i -lt {DRAFT_START_SECONDS * 2} ]; do "
+        f"curl -s -f -o /dev/null -m 5 -- {health} && exit 0; "
+        f"kill -0 {pid} 2>/dev/null || {{ tail -n 5 {log} >&2; exit 1; }}; "
+        "sleep 0.5; i=$((i+1)); done; echo 'not ready in time' >&2; exit 1"
+    )
+
+
+def draft_request_command(data: dict, prompt: str) -> str:
+    """One greedy completion of exactly DRAFT_TOKENS tokens (past an end-of-text token, so a
+    short answer does not count as a speed; no prompt cache between the runs)."""
+    body = json.dumps(
+        {
+            "prompt": prompt,
+            "n_predict": DRAFT_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "cache_prompt": False,
+        }
+    )
+    url = shlex.quote(f"{render.base_url(data)}/completion")
+    return (
+        f"curl -sS -f -m 300 {render.CURL_AUTH} -H 'Content-Type: application/json' "
+        f"--data-binary {shlex.quote(body)} -- {url}"
+    )
+
+
+def draft_stop_command(pid: int) -> str:
+    return (
+        f"kill {pid} 2>/dev/null; i=0; while kill -0 {pid} 2>/dev/null && [ $i -lt 60 ]; do "
+        f"sleep 0.5; i=$((i+1)); done; kill -9 {pid} 2>/dev/null; true"
+    )
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+
+
+def _served_speeds(data: dict, run: Callable[[str, float], tuple[int, str, str]]) -> list[float]:
+    """Start one temporary server, decode DRAFT_PROMPTS, stop it; raises ValueError."""
+    status, output, error = run(draft_start_command(data), 60)
+    if status:
+        raise ValueError(error.strip() or "could not start llama-server")
+    pid = int(output.strip().splitlines()[-1])
+    try:
+        status, _, error = run(draft_wait_command(data, pid), DRAFT_START_SECONDS + 60)
+        if status:
+            raise ValueError(" / ".join(error.strip().splitlines()[-3:]) or "did not start")
+        speeds = []
+        for prompt in DRAFT_PROMPTS:
+            status, output, error = run(draft_request_command(data, prompt), 360)
+            if status:
+                raise ValueError(error.strip() or "the completion failed")
+            timings = json.loads(output)["timings"]
+            if timings["predicted_n"] != DRAFT_TOKENS:
+                raise ValueError(f"decoded {timings['predicted_n']} of {DRAFT_TOKENS} tokens")
+            speeds.append(float(timings["predicted_per_second"]))
+        return speeds
+    finally:
+        run(draft_stop_command(pid), 60)
+
+
+def draft_sweep(
+    plan: HostPlan,
+    chosen: Candidate,
+    run: Callable[[str, float], tuple[int, str, str]],
+    sweep_file: Path,
+    identity: str,
+    deadline: float,
+    say: Callable[[str], None],
+) -> list[DraftMeasured]:
+    """Serve ``chosen`` with each draft length in DRAFT_MAX_VALUES until ``deadline``, reusing
+    what the sweep file holds."""
+    saved = _saved(sweep_file, identity)
+    results = []
+    for draft_max in DRAFT_MAX_VALUES:
+        result = DraftMeasured(draft_max)
+        results.append(result)
+        label = f"{chosen.label}, draft_max {draft_max}"
+        if label in saved:
+            result.tps, result.low, result.high = saved[label]
+            say(f"  {label}: {result.tps:.1f} t/s served (measured before)")
+            continue
+        if time.monotonic() > deadline:
+            result.skipped = "not measured (time bound; run tune again to resume)"
+            continue
+        say(f"  {label}: measuring through llama-server")
+        try:
+            speeds = _served_speeds(draft_server_data(plan, chosen, draft_max), run)
+        except (ValueError, KeyError) as problem:
+            result.skipped = f"llama-server failed: {problem}"
+            continue
+        result.tps, result.low, result.high = _median(speeds), min(speeds), max(speeds)
+        saved[label] = [result.tps, result.low, result.high]
+        _save(sweep_file, identity, saved)
+    return results
+
+
+def draft_winner(results: list[DraftMeasured], planned: int | None) -> DraftMeasured | None:
+    """The fastest draft length; the planned one while within KEEP_WITHIN of it; None when
+    none was measured."""
+    measured = [r for r in results if r.tps]
+    if not measured:
+        return None
+    fastest = max(measured, key=lambda r: r.tps)
+    current = next((r for r in measured if r.draft_max == planned), None)
+    if current and current.tps >= fastest.tps * (1 - KEEP_WITHIN):
+        return current
+    return fastest
+
+
+def draft_table(results: list[DraftMeasured], chosen: DraftMeasured | None, types: str) -> str:
+    lines = [
+        f"served decode with --spec-type {types} ({len(DRAFT_PROMPTS)} prompts, "
+        f"{DRAFT_TOKENS} tokens, greedy; median and range):",
+        f"{'draft_max':<32}{'decode t/s':>11}{'range':>19}  note",
+    ]
+    for result in results:
+        speed = (
+            f"{result.tps:>11.1f}{f'{result.low:.1f}-{result.high:.1f}':>19}"
+            if result.tps
+            else f"{'-':>11}{'':>19}"
+        )
+        note = result.skipped or ("<- tuned" if result is chosen else "")
+        lines.append(f"{result.draft_max:<32}{speed}  {note}")
+    return "\n".join(lines)
+
+
+def _slots_busy(data: dict) -> bool | None:
+    """Whether any slot of the running server is processing a request (None: no answer)."""
+    slots = shlex.quote(f"{render.base_url(data)}/slots")
+    result = run_on_host(data, f"curl -sS -f -m 5 {render.CURL_AUTH} -- {slots}", timeout=30)
+    if result.returncode:
+        return None
+    try:
+        return any(slot.get("is_processing") for slot in json.loads(result.stdout))
+    except (ValueError, AttributeError):
+        return None
+
+
+@contextmanager
+def _service_stopped(data: dict, force: bool, say: Callable[[str], None]):
+    """The host's llama-server unit stopped for the sweep (it holds the memory and the cores
+    llama-bench measures) and started again afterwards; refused while it serves a request."""
+    service = f"{data['server']['service']}.service"
+    unit = shlex.quote(service)
+    active = (
+        data["server"]["supervisor"] == "systemd"
+        and not run_on_host(data, f"systemctl is-active --quiet -- {unit}").returncode
+    )
+    if active and _slots_busy(data) and not force:
+        raise TuneError(
+            f"{service} is serving a request now; tune stops it for the sweep: try again when "
+            "it is idle, or pass --force"
+        )
+    if active:
+        say(f"  stopping {service} for the sweep")
+        run_on_host(data, f"systemctl stop -- {unit}")
+    try:
+        yield
+    finally:
+        if active:
+            say(f"  starting {service} again")
+            run_on_host(data, f"systemctl start -- {unit}")
+
+
+def tune_host(
+    host_config: HostConfig, inventory: Path, minutes: float, force: bool, say=print
+) -> Path:
+    """Sweep one host and write its tuned file; returns the file. Raises TuneError."""
+    name = host_config.name
+    if host_config.data["role"] == "rpc-worker":
+        raise TuneError(f"{name} is an rpc-worker: tune its head, which runs the model")
+    if "llama-bench" not in host_config.data["llama_cpp"]["targets"]:
+        raise TuneError(
+            f"{name}: llama_cpp.targets lacks llama-bench, which tune measures with: add it "
+            "(e.g. [llama-server, llama-bench]) and deploy"
+        )
+    try:
+        data = resolved(host_config.data)  # a Hugging Face reference as the deploy fetched it
+    except HubError as error:
+        raise TuneError(f"{name}: {'.'.join(error.key_path)}: {error.message}") from None
+    gathered = gather(data, shell_reader(data), gpus=data["llama_cpp"]["backend"] == "cuda")
+    inputs = gathered.plan_inputs()
+    plan = plan_host(name, data, **inputs)
+    if not plan.fits:
+        raise TuneError(f"{name}: the plan does not fit:\n" + "\n".join(plan.errors))
+    bench = f"{render.layout(plan.resolved)['current']}/bin/llama-bench"
+    if run_on_host(data, f"test -x {shlex.quote(bench)}").returncode:
+        raise TuneError(f"{name}: {bench} is not there: deploy with llama-bench in the targets")
+    cpu_count = int(run_on_host(data, "nproc").stdout.strip() or 1)
+    tuned_file = tuned_path(inventory, name)
+    sweep_file = tuned_file.with_name(f".{name}.sweep.json")
+    identity = f"build {render.build_id(plan.resolved)}, model {render.layout(data)['model']}"
+
+    def run(command: str, timeout: float) -> tuple[int, str, str]:
+        result = run_on_host(data, command, timeout=timeout)
+        return result.returncode, result.stdout, result.stderr
+
+    say(f"{name}: tuning for at most {minutes:g} minutes ({identity})")
+    deadline = time.monotonic() + minutes * 60
+    spec = plan.resolved["server"]["spec"]
+    drafts, draft = [], None
+    with _service_stopped(data, force, say):
+        results = sweep(plan, inputs, run, cpu_count, sweep_file, identity, deadline, say)
+        chosen = winner(results, planned_candidate(plan))
+        if spec["type"]:
+            drafts = draft_sweep(plan, chosen.candidate, run, sweep_file, identity, deadline, say)
+            draft = draft_winner(drafts, spec["draft_max"])
+    roofline = roofline_tps(plan)
+    say(table(results, chosen, roofline))
+    if spec["type"]:
+        say(draft_table(drafts, draft, ",".join(spec["type"])))
+    write_tuned(tuned_file, name, chosen, identity, draft)
+    tuned_label = chosen.candidate.label + (f", draft_max {draft.draft_max}" if draft else "")
+    say(f"{name}: tuned settings written to {tuned_file} ({tuned_label})")
+    picture = tuned_file.with_suffix(".png")
+    if plot(results, chosen, roofline, picture, drafts, draft):
+        say(f"{name}: plot {picture}")
+    else:
+        say(f"{name}: no plot (pip install matplotlib for one)")
+    return tuned_file

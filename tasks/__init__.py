@@ -1,0 +1,1 @@
+"""The deploy stages, one module each; deploy.py calls them in order."""

@@ -1,0 +1,171 @@
+"""Upgrades may not get slower, on the sandbox for real: the rig serves SmolLM2 with 2 threads,
+then a config with 1 thread (a real slower version of the same model) is deployed. It starts
+and answers, but decodes markedly slower than the version that served, measured again just
+after it, so the deploy rolls it back and fails with both speeds; the rig converges again
+without a change. Then the record of the version that served is inflated fivefold (as a record
+taken at a quiet moment of a busy host looks): a version just as fast (without `--metrics`) is
+measured side by side with the last one, found within bounds, and put back in place. Last, the
+host is made busy while the new version is measured, until the last version is measured again
+(a busy spell, as failed a CI run): the new version's second look finds it as fast, and it stays.
+
+A sandbox of its own (trixie, CPU rig, ssh port 2233, server port 8099), `max_slowdown` at its
+default (10%): on two cores one thread decoded 27% slower than two (73.6 against 100.4 tokens/s
+on a busy machine).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llamarig import CACHE_DIR
+from tests import sandboxes
+from tests.conftest import PROJECT
+from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+
+if os.geteuid() != 0:
+    pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
+
+NAME, SSH_PORT, SERVER_PORT = "sandbox-slow", 2233, 8099
+SERVICE = "llama-server"
+BUSY_MAX_SLOWDOWN = 0.25
+
+
+def inventory(
+    directory: Path, threads: int, metrics: bool = True, max_slowdown: float = 0.1
+) -> Path:
+    """The demo rig (SmolLM2 and its answer) on this module's sandbox with ``threads``."""
+    document = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
+    rig = document["all"]["children"]["sandbox"]["hosts"].pop("sandbox")
+    rig["ssh"].update(port=SSH_PORT, known_hosts=str(CACHE_DIR / "sandbox" / NAME / "known_hosts"))
+    rig["server"].update(
+        port=SERVER_PORT, threads=threads, metrics=metrics, max_slowdown=max_slowdown
+    )
+    document["all"]["children"]["sandbox"]["hosts"][NAME] = rig
+    path = directory / f"threads-{threads}{'' if metrics else '-no-metrics'}-{max_slowdown}.yml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    sandbox = fresh_sandbox(NAME, "trixie", SSH_PORT)
+    info = next(sandbox)
+    yield info, tmp_path_factory.mktemp("slow")
+    next(sandbox, None)  # takes the sandbox down
+
+
+def argv_running(info) -> list[str]:
+    line = in_sandbox(info, f"systemctl show -P ExecStart {SERVICE}")
+    return shlex.split(line.split("argv[]=", 1)[1].split(" ;", 1)[0])
+
+
+def threads_running(info) -> str:
+    argv = argv_running(info)
+    return argv[argv.index("-t") + 1]
+
+
+def test_a_slower_version_is_rolled_back_with_both_speeds(rig):
+    info, directory = rig
+    fast = inventory(directory, threads=2)
+    sandboxes.converge(fast)
+    recorded = in_sandbox(info, f"head -n1 /var/lib/llamarig/last-good/{SERVICE}/decode-tps")
+    print(f"2 threads: {recorded} tokens/s recorded with the version that served")
+    assert float(recorded) > 0 and threads_running(info) == "2"
+
+    result = sandboxes.deploy(inventory(directory, threads=1))
+    output = result.stdout + result.stderr
+    print("\n".join(line for line in output.splitlines() if "decodes at" in line))
+    assert result.returncode != 0, f"a markedly slower version must fail the run:\n{output[-3000:]}"
+    slower = re.search(
+        r"decodes at ([0-9.]+) tokens/s, (\d+)% slower than the last version that served "
+        r"\(([0-9.]+) tokens/s measured between two looks at it, ([0-9.]+) recorded; "
+        r"server.max_slowdown is 10%\)",
+        output,
+    )
+    assert slower, output[-4000:]
+    print(f"1 thread: {slower[1]} tokens/s against {slower[3]} ({slower[2]}% slower): rolled back")
+    assert float(slower[4]) == float(recorded)
+    assert "measuring it once more, after the last version" in output, output[-4000:]
+    assert float(slower[1]) < 0.9 * float(slower[3])
+    assert re.search(r"rolled back: .* serves again after \d+ s", output), output[-4000:]
+    assert threads_running(info) == "2"
+    assert in_sandbox(info, f"systemctl is-active {SERVICE}") == "active"
+    assert changed_operations(sandboxes.converge(fast)) == []
+
+
+def test_a_record_from_a_quieter_moment_does_not_refuse_an_equal_version(rig):
+    info, directory = rig
+    record = f"/var/lib/llamarig/last-good/{SERVICE}/decode-tps"
+    sandboxes.converge(inventory(directory, threads=2))
+    measured = float(in_sandbox(info, f"head -n1 {record}"))
+    in_sandbox(info, f"sed -i '1s/.*/{measured * 5:.1f}/' {record}")
+
+    result = sandboxes.deploy(inventory(directory, threads=2, metrics=False))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"an equally fast version must serve:\n{output[-4000:]}"
+    print("\n".join(line for line in output.splitlines() if "decodes at" in line))
+    assert "measuring the last version that served again, side by side" in output
+    assert re.search(
+        r"the last version decodes at [0-9.]+ tokens/s now: .* goes back in place", output
+    )
+    assert "--metrics" not in argv_running(info) and threads_running(info) == "2"
+    kept = float(in_sandbox(info, f"head -n1 {record}"))
+    assert 0 < kept < measured * 5, "the record is the new version's own speed"
+    assert (
+        changed_operations(sandboxes.converge(inventory(directory, threads=2, metrics=False))) == []
+    )
+
+
+def test_a_busy_spell_while_the_new_version_is_measured_refuses_nothing(rig):
+    # What failed a CI run: a server setting that changes no speed (ctx 2048 -> 1024: 136.1
+    # against 134.9 tokens/s side by side, medians of 4 alternated runs) was refused, all six
+    # runs of the new version 14% slow, the last version's right after them not. Here one busy
+    # loop per CPU of this machine (the sandbox shares them) runs from the deploy's start until
+    # it says it measures the last version again.
+    # Its margin: in one CI run the same build decoded 105.4 on the second look against 120.1
+    # (12% apart, beyond the default 10%) once the load had stopped; the load itself slows
+    # decode about fourfold, so a wider bound still tells a second look from none.
+    info, directory = rig
+    record = f"/var/lib/llamarig/last-good/{SERVICE}/decode-tps"
+    sandboxes.converge(inventory(directory, threads=2, max_slowdown=BUSY_MAX_SLOWDOWN))
+    busy = [subprocess.Popen(["yes"], stdout=subprocess.DEVNULL) for _ in range(os.cpu_count())]
+
+    def quiet_when_the_last_version_is_measured(line: str) -> None:
+        if "measuring the last version that served again, side by side" in line:
+            for loop in busy:
+                loop.kill()
+
+    try:
+        returncode, output = sandboxes.deploy_watched(
+            inventory(directory, threads=2, metrics=False, max_slowdown=BUSY_MAX_SLOWDOWN),
+            quiet_when_the_last_version_is_measured,
+        )
+    finally:
+        for loop in busy:
+            loop.kill()
+    print("\n".join(line for line in output.splitlines() if "decodes at" in line))
+    assert returncode == 0, f"an equally fast version must serve:\n{output[-4000:]}"
+    assert "measuring the last version that served again, side by side" in output, output[-4000:]
+    assert "measuring it once more, after the last version" in output, output[-4000:]
+    assert re.search(r"decodes at [0-9.]+ tokens/s on a second look, .*: it stays", output)
+    assert "--metrics" not in argv_running(info) and threads_running(info) == "2"
+    assert in_sandbox(info, f"systemctl is-active {SERVICE}") == "active"
+    kept = float(in_sandbox(info, f"head -n1 {record}"))
+    assert kept > 0
+    assert (
+        changed_operations(
+            sandboxes.converge(
+                inventory(directory, threads=2, metrics=False, max_slowdown=BUSY_MAX_SLOWDOWN)
+            )
+        )
+        == []
+    )
