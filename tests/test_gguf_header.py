@@ -2,6 +2,7 @@ import io
 import re
 import struct
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -44,24 +45,21 @@ def test_each_override_is_where_gguf_py_differs():
         assert known.get(type_id) != (layout.block_size, layout.type_size), layout.name
 
 
-PINNED_TREE = "/var/cache/llamarig/mirror/llama.cpp.git"
 # sizeof() of the scalar types the pinned block structs are made of (ggml.h typedefs)
 C_SIZES = {"ggml_half": 2, "ggml_fp16_t": 2, "ggml_bf16_t": 2, "float": 4, "double": 8}
 C_SIZES |= {f"{sign}int{bits}_t": bits // 8 for sign in ("", "u") for bits in (8, 16, 32, 64)}
 
 
-def _pinned_source(path: str) -> str:
+def _pinned_source(mirror: Path, path: str) -> str:
     from llamarig.config import defaults
 
     commit = defaults()["llama_cpp"]["commit"]
-    shown = subprocess.run(
-        ["git", f"--git-dir={PINNED_TREE}", "show", f"{commit}:{path}"],
+    return subprocess.run(
+        ["git", f"--git-dir={mirror}", "show", f"{commit}:{path}"],
         capture_output=True,
         text=True,
-    )
-    if shown.returncode:
-        pytest.skip(f"no local mirror of the pinned llama.cpp ({PINNED_TREE})")
-    return shown.stdout
+        check=True,
+    ).stdout
 
 
 def _c_value(expression: str, macros: dict[str, str]) -> int:
@@ -73,12 +71,12 @@ def _c_value(expression: str, macros: dict[str, str]) -> int:
     return eval(text.replace("/", "//"))  # digits and operators only, checked above
 
 
-def pinned_ggml_types() -> dict[int, GgmlType]:
+def pinned_ggml_types(mirror: Path) -> dict[int, GgmlType]:
     """id -> layout from the pinned tree: the ggml_type enum (ggml.h), type_traits' blck_size
     and type_size (ggml.c), and each block struct's size as its static_assert states it."""
-    header = _pinned_source("ggml/include/ggml.h")
-    traits = _pinned_source("ggml/src/ggml.c")
-    common = _pinned_source("ggml/src/ggml-common.h")
+    header = _pinned_source(mirror, "ggml/include/ggml.h")
+    traits = _pinned_source(mirror, "ggml/src/ggml.c")
+    common = _pinned_source(mirror, "ggml/src/ggml-common.h")
     enum = header[header.index("enum ggml_type {") :]
     enum = enum[: enum.index("};")]
     ids = {name: int(i) for name, i in re.findall(r"^\s*GGML_TYPE_(\w+)\s*=\s*(\d+)", enum, re.M)}
@@ -105,10 +103,10 @@ def pinned_ggml_types() -> dict[int, GgmlType]:
     return found
 
 
-def test_type_table_is_the_pinned_ggml():
+def test_type_table_is_the_pinned_ggml(llama_mirror):
     """The merged table (gguf-py plus GGML_OVERRIDES) is, id by id, what the pinned ggml
     source says: a new pin that adds or resizes a type fails here until the table follows."""
-    pinned = pinned_ggml_types()
+    pinned = pinned_ggml_types(llama_mirror)
     assert len(pinned) > 30
     assert pinned[9] == GgmlType("Q8_1", 32, 36)
     assert {i: (t.block_size, t.type_size) for i, t in GGML_TYPES.items()} == {
