@@ -9,6 +9,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
+from llamarig import CACHE_DIR
 from tests.conftest import PROJECT, pyinfra_env
 
 
@@ -61,6 +64,19 @@ def verify(inventory: Path, *pytest_args: str) -> subprocess.CompletedProcess:
         text=True,
         timeout=600,
     )
+
+
+def demo_rig_inventory(path: Path, name: str, ssh_port: int, edit: Callable[[dict], None]) -> Path:
+    """inventory/hosts.yml's sandbox rig moved onto sandbox ``name`` (its SSH port and
+    known_hosts), changed by ``edit`` and written to ``path``."""
+    document = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
+    hosts = document["all"]["children"]["sandbox"]["hosts"]
+    rig = hosts.pop("sandbox")
+    rig["ssh"].update(port=ssh_port, known_hosts=str(CACHE_DIR / "sandbox" / name / "known_hosts"))
+    edit(rig)
+    hosts[name] = rig
+    path.write_text(yaml.safe_dump(document))
+    return path
 
 
 def in_sandbox(info, command: str) -> str:

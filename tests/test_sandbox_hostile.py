@@ -21,14 +21,12 @@ from pathlib import Path
 from urllib.parse import quote
 
 import pytest
-import yaml
 
-from llamarig import CACHE_DIR, render
+from llamarig import render
 from llamarig.config import load_inventory
 from llamarig_sandbox.sandbox import MODEL_NAME as SERVED_MODEL
 from llamarig_sandbox.sandbox import WWW_DIR
 from tests import sandboxes
-from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -48,15 +46,12 @@ ENV = {
 
 def inventory(directory: Path, **model) -> Path:
     """The sandbox rig of inventory/hosts.yml on this module's sandbox, with ``model``."""
-    document = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
-    rig = document["all"]["children"]["sandbox"]["hosts"].pop("sandbox")
-    rig["ssh"].update(port=SSH_PORT, known_hosts=str(CACHE_DIR / "sandbox" / NAME / "known_hosts"))
-    rig["server"].update(port=SERVER_PORT, env=ENV)
-    rig["model"].update(model)
-    document["all"]["children"]["sandbox"]["hosts"][NAME] = rig
-    path = directory / "hostile.yml"
-    path.write_text(yaml.safe_dump(document))
-    return path
+
+    def edit(rig: dict) -> None:
+        rig["server"].update(port=SERVER_PORT, env=ENV)
+        rig["model"].update(model)
+
+    return sandboxes.demo_rig_inventory(directory / "hostile.yml", NAME, SSH_PORT, edit)
 
 
 @pytest.fixture(scope="module")

@@ -21,11 +21,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
 from llamarig import CACHE_DIR
-from tests.conftest import PROJECT
-from tests.sandboxes import changed_operations, converge, fresh_sandbox, in_sandbox
+from tests.sandboxes import (
+    changed_operations,
+    converge,
+    demo_rig_inventory,
+    fresh_sandbox,
+    in_sandbox,
+)
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -112,19 +116,19 @@ def standin_rig(tmp_path_factory):
     sandbox = fresh_sandbox(NAME, "trixie", 2225)
     info = next(sandbox)
     build_standin_repository()
-    document = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
-    rig = document["all"]["children"]["sandbox"]["hosts"].pop("sandbox")
-    rig["ssh"].update(port=2225, known_hosts=str(CACHE_DIR / "sandbox" / NAME / "known_hosts"))
-    rig.update(
-        driver={"source": "nvidia-repo", "branch": 580},
-        cuda={"source": "nvidia-repo", "version": "13.0"},
-        # A stand-in on loopback over http: the explicit opt-in for a repository without TLS.
-        nvidia_repo={"url": STANDIN_URL, "allow_insecure": True},
+
+    def edit(rig: dict) -> None:
+        rig.update(
+            driver={"source": "nvidia-repo", "branch": 580},
+            cuda={"source": "nvidia-repo", "version": "13.0"},
+            # A stand-in on loopback over http: the explicit opt-in for a repository without TLS.
+            nvidia_repo={"url": STANDIN_URL, "allow_insecure": True},
+        )
+        rig["server"]["port"] = 8083
+
+    inventory = demo_rig_inventory(
+        tmp_path_factory.mktemp("inventory") / "standin.yml", NAME, 2225, edit
     )
-    rig["server"]["port"] = 8083
-    document["all"]["children"]["sandbox"]["hosts"][NAME] = rig
-    inventory = tmp_path_factory.mktemp("inventory") / "standin.yml"
-    inventory.write_text(yaml.safe_dump(document))
     yield info, inventory
     next(sandbox, None)  # takes the sandbox down
     shutil.rmtree(STANDIN_DIR, ignore_errors=True)

@@ -22,11 +22,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import yaml
 
-from llamarig import CACHE_DIR
 from tests import sandboxes
-from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
@@ -43,16 +40,14 @@ def inventory(
     directory: Path, threads: int, metrics: bool = True, max_slowdown: float = 0.1
 ) -> Path:
     """The demo rig (SmolLM2 and its answer) on this module's sandbox with ``threads``."""
-    document = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
-    rig = document["all"]["children"]["sandbox"]["hosts"].pop("sandbox")
-    rig["ssh"].update(port=SSH_PORT, known_hosts=str(CACHE_DIR / "sandbox" / NAME / "known_hosts"))
-    rig["server"].update(
-        port=SERVER_PORT, threads=threads, metrics=metrics, max_slowdown=max_slowdown
+    return sandboxes.demo_rig_inventory(
+        directory / f"threads-{threads}{'' if metrics else '-no-metrics'}-{max_slowdown}.yml",
+        NAME,
+        SSH_PORT,
+        lambda rig: rig["server"].update(
+            port=SERVER_PORT, threads=threads, metrics=metrics, max_slowdown=max_slowdown
+        ),
     )
-    document["all"]["children"]["sandbox"]["hosts"][NAME] = rig
-    path = directory / f"threads-{threads}{'' if metrics else '-no-metrics'}-{max_slowdown}.yml"
-    path.write_text(yaml.safe_dump(document))
-    return path
 
 
 @pytest.fixture(scope="module")

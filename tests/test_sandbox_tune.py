@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llamarig import CACHE_DIR
 from llamarig.config import load_inventory
 from llamarig.config.inventory import tuned_path
 from tests import sandboxes
@@ -37,18 +36,15 @@ SERVICE = "llama-server"
 
 def inventory(directory: Path) -> Path:
     """The sandbox rig of inventory/hosts.yml on this module's sandbox, built with llama-bench."""
-    document = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
-    rig = document["all"]["children"]["sandbox"]["hosts"].pop("sandbox")
-    rig["ssh"].update(port=SSH_PORT, known_hosts=str(CACHE_DIR / "sandbox" / NAME / "known_hosts"))
-    # No slowdown guard: on the shared 2-core machine one start decodes up to 20% slower than
-    # the one before with the same settings, which would roll the tuned deploy back; this test
-    # is about the tuned file reaching the unit (tests/test_sandbox_slowdown.py has the guard).
-    rig["server"].update(port=SERVER_PORT, spec={"type": ["ngram-simple"]}, max_slowdown=None)
-    rig["llama_cpp"]["targets"] = ["llama-server", "llama-bench"]
-    document["all"]["children"]["sandbox"]["hosts"][NAME] = rig
-    path = directory / "tune.yml"
-    path.write_text(yaml.safe_dump(document))
-    return path
+
+    def edit(rig: dict) -> None:
+        # No slowdown guard: on the shared 2-core machine one start decodes up to 20% slower
+        # than the one before with the same settings, which would roll the tuned deploy back;
+        # this test is about the tuned file reaching the unit (test_sandbox_slowdown has it).
+        rig["server"].update(port=SERVER_PORT, spec={"type": ["ngram-simple"]}, max_slowdown=None)
+        rig["llama_cpp"]["targets"] = ["llama-server", "llama-bench"]
+
+    return sandboxes.demo_rig_inventory(directory / "tune.yml", NAME, SSH_PORT, edit)
 
 
 @pytest.fixture(scope="module")
