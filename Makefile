@@ -1,12 +1,13 @@
 # Two commands for a newcomer on a fresh Debian/Ubuntu machine (as root):
 #   make demo   - virtualenv, sandbox rig, deploy, then the endpoint and a real question answered
-#   make test   - everything the tests need, then all tests
+#   make test   - everything the tests need, then lint, the unit tests and one sandbox scenario
+#   make test-all - the same, then every sandbox scenario (what CI runs)
 VENV ?= .venv
 PYTHON ?= python3
 BIN = $(VENV)/bin
 INSTALLED = $(VENV)/.installed
 
-.PHONY: demo test test-fast lint clean-sandbox
+.PHONY: demo test test-all test-fast lint clean-sandbox
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,10 +26,13 @@ lint: $(INSTALLED)
 	$(BIN)/ruff format --check .
 
 test-fast: $(INSTALLED) lint
-	$(BIN)/pytest -m "not sandbox" -rs
+	$(BIN)/pytest -m "not sandbox" -n auto -rs
 
 test: $(INSTALLED) lint
-	$(BIN)/pytest -rs --durations=15
+	scripts/test_tiers.sh quick $(BIN)
+
+test-all: $(INSTALLED) lint
+	scripts/test_tiers.sh all $(BIN)
 
 clean-sandbox: $(INSTALLED)
 	$(BIN)/llamarig sandbox down

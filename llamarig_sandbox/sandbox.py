@@ -13,12 +13,12 @@ git daemon with a llama.cpp mirror at the pinned commit. Everything lives under 
     apt-archives/<release> ccache/<release>   bound into sandboxes so rebuilds are cheap
 
 CLI: `llamarig sandbox up|down|status [--release R] [--name N] [--ssh-port P] ...` (or
-`llamarig-sandbox ...`, the same).
+`llamarig-sandbox ...`, the same); `llamarig sandbox prepare [--release R ...]` builds the roots
+and fetches what is served without booting anything.
 """
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import re
@@ -39,11 +39,19 @@ from llamarig import CACHE_DIR
 from llamarig.config import defaults
 from llamarig.remote import SshTarget
 from llamarig_sandbox import realmodel
+from llamarig_sandbox.locks import held
 from llamarig_sandbox.testmodel import sha256_file, write_test_model
 
 RELEASES = ("trixie", "bookworm")
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
-BASE_PACKAGES = "systemd-sysv,udev,dbus,openssh-server,python3,ca-certificates,kmod,iproute2,curl"
+BASE_PACKAGES = (
+    "systemd-sysv,udev,dbus,openssh-server,python3,ca-certificates,kmod,iproute2,curl,ccache"
+)
+# The compiler each release's kernel headers name (CC in their .kernelvariables): a sandbox
+# runs it through ccache, so the DKMS builds of the heavy scenarios (bookworm, Secure Boot,
+# trixie) share compiled objects across sandboxes and runs. The deploy's commands are the
+# production ones: the box merely has a compiler cache in front of gcc, as a build host may.
+KERNEL_COMPILERS = {"trixie": "gcc-14", "bookworm": "gcc-12"}
 DEFAULT_SSH_PORT = 2222
 DEFAULT_HTTP_PORT = 8765
 DEFAULT_GIT_PORT = 9418
@@ -332,13 +340,10 @@ def _remove_tree(path: Path) -> None:
     _run(["rm", "-rf", "--one-file-system", str(path)], f"removing {path}")
 
 
-@contextlib.contextmanager
 def _exclusive_lock():
-    """Serialise up/down so two invocations never build or remove the same things at once."""
-    SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
-    with open(SANDBOX_DIR / ".lock", "w") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        yield
+    """Serialise up/down/prepare so two invocations never build or remove the same things at
+    once."""
+    return held(SANDBOX_DIR / ".lock")
 
 
 def _require_root() -> None:
@@ -476,6 +481,11 @@ def ensure_llama_mirror() -> Path:
 
     Returns the vocabulary GGUF's path, which the test model borrows its tokenizer from.
     """
+    with held(DOWNLOADS_DIR / ".mirror.lock"):
+        return _make_llama_mirror()
+
+
+def _make_llama_mirror() -> Path:
     vocab = DOWNLOADS_DIR / VOCAB_NAME
     if LLAMA_MIRROR.is_dir() and vocab.is_file():
         return vocab
@@ -722,12 +732,26 @@ def _prepare_working_root(name: str, release: str, base_root: Path, ssh_port: in
     (root / "etc/hostname").write_text(f"{name}\n")
     (root / "etc/hosts").write_text(hosts_file(name))
     (root / SANDBOX_CCACHE_PATH.lstrip("/")).mkdir(parents=True, exist_ok=True)
+    _cache_kernel_compiler(root, release)
     for host_dir in (APT_ARCHIVES_DIR / release / "partial", CCACHE_DIR / release):
         host_dir.mkdir(parents=True, exist_ok=True)
     # Seeded from the release's shared archive; what it downloads goes back there on `down`.
     _link_debs(APT_ARCHIVES_DIR / release, private_apt_archives(name))
     (private_apt_archives(name) / "partial").mkdir(exist_ok=True)
     return root
+
+
+def _cache_kernel_compiler(root: Path, release: str) -> None:
+    """Put ccache in front of the kernel headers' compiler (a masquerading link on PATH before
+    /usr/bin) with its cache in the host's ccache directory. A root built before ccache was
+    among the base packages is left as it is."""
+    if not (root / "usr/bin/ccache").is_file():
+        return
+    (root / "etc/ccache.conf").write_text(f"cache_dir = {SANDBOX_CCACHE_PATH}\n")
+    link = root / "usr/local/bin" / KERNEL_COMPILERS[release]
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to("/usr/bin/ccache")
 
 
 def _pin_host_key(name: str, root: Path, ssh_port: int) -> Path:
@@ -813,6 +837,23 @@ def _wait_for_boot(info: SandboxInfo, supervisor: subprocess.Popen) -> None:
         f"sandbox {info.name} did not finish booting within {BOOT_TIMEOUT_S} s (log {log_path});"
         f" it is left running for inspection: `llamarig sandbox down --name {info.name}`"
     )
+
+
+def prepare(releases: tuple[str, ...] = ("trixie",)) -> None:
+    """Build what a sandbox boots from and is served, without booting one: the base roots of
+    ``releases``, the SSH key, the llama.cpp mirror and both models. The slow part of a cold
+    `up` (debootstrap, downloads) is network-bound, so the test tiers run this beside the unit
+    tests; a later `up` finds it all in place."""
+    _require_root()
+    for release in releases:
+        _check_release(release)
+    with _exclusive_lock():
+        ensure_host_tools()
+        ensure_ssh_key()
+        ensure_test_model(ensure_llama_mirror())
+        ensure_real_model()
+        for release in releases:
+            ensure_base_root(release)
 
 
 def up(
@@ -993,8 +1034,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog, description="Manage the systemd-nspawn sandbox rig."
     )
-    parser.add_argument("action", choices=("up", "down", "status"))
-    parser.add_argument("--release", default="trixie", choices=RELEASES)
+    parser.add_argument("action", choices=("up", "down", "status", "prepare"))
+    parser.add_argument(
+        "--release",
+        action="append",
+        choices=RELEASES,
+        help="trixie (default) or bookworm; `prepare` takes it more than once",
+    )
     parser.add_argument("--name", help="sandbox name (default: sandbox-<release>)")
     parser.add_argument("--ssh-port", type=int, default=DEFAULT_SSH_PORT)
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT)
@@ -1009,11 +1055,19 @@ def main(argv: list[str] | None = None, prog: str = "llamarig-sandbox") -> int:
     if argv[:1] == ["_supervise"]:
         command = argv[2:] if argv[1:2] == ["--"] else argv[1:]
         return supervise(command)
-    args = _parser(prog).parse_args(argv)
-    name = args.name or f"sandbox-{args.release}"
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    releases = tuple(dict.fromkeys(args.release or ["trixie"]))
+    if len(releases) > 1 and args.action != "prepare":
+        parser.error("--release is given once, except to `prepare`")
+    release = releases[0]
+    name = args.name or f"sandbox-{release}"
     try:
-        if args.action == "up":
-            info = up(args.release, name, args.ssh_port, args.http_port, args.git_port)
+        if args.action == "prepare":
+            prepare(releases)
+            print(f"sandbox: prepared {', '.join(releases)} (nothing booted)")
+        elif args.action == "up":
+            info = up(release, name, args.ssh_port, args.http_port, args.git_port)
             _print_status(info)
         elif args.action == "down":
             down(name)

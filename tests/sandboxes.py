@@ -66,6 +66,20 @@ def verify(inventory: Path, *pytest_args: str) -> subprocess.CompletedProcess:
     )
 
 
+def assert_verify_names_a_stopped_service(info, inventory: Path, service: str) -> None:
+    """`llamarig verify` of the rig with ``service`` stopped fails naming it (and only what
+    a stopped service breaks); the service is started again whatever happens."""
+    in_sandbox(info, f"systemctl stop {service}")
+    try:
+        result = verify(inventory)
+        assert result.returncode != 0
+        assert "test_service_active_enabled_and_restarting" in result.stdout
+        assert f"{service} is not running" in result.stdout
+        assert "test_service_hardening" not in result.stdout.split("short test summary")[-1]
+    finally:
+        in_sandbox(info, f"systemctl start {service}")
+
+
 def demo_rig_inventory(path: Path, name: str, ssh_port: int, edit: Callable[[dict], None]) -> Path:
     """inventory/hosts.yml's sandbox rig moved onto sandbox ``name`` (its SSH port and
     known_hosts), changed by ``edit`` and written to ``path``."""

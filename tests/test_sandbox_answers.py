@@ -1,7 +1,10 @@
 """The answer check on the sandbox rig, for real: SmolLM2-135M-Instruct (the demo's model)
 answers the demo's question right, the deploy and `llamarig verify` say so; the random-weight
 test model with the same expectation is rolled back by the deploy, naming the answer, and
-fails `llamarig verify` by name.
+fails `llamarig verify` by name, as does a stopped service.
+
+This is the one sandbox scenario of `make test` (the quick tier, not marked `heavy`): a first
+converge that serves and answers, a second that changes nothing, verify, a rollback.
 
 Stand-ins as in test_sandbox_converge: the models come from the loopback file server, llama.cpp
 from a git daemon mirror. Needs root, systemd-nspawn and debootstrap.
@@ -149,3 +152,8 @@ def test_verify_fails_by_name_against_the_random_model(sandbox_info, tmp_path):
     finally:
         sandboxes.converge(INVENTORY)
     assert "Paris" in chat_answer()
+
+
+def test_verify_names_a_stopped_service(sandbox_info):
+    # Last in this module: the service comes back started, not necessarily loaded yet.
+    sandboxes.assert_verify_names_a_stopped_service(sandbox_info, INVENTORY, SERVICE)

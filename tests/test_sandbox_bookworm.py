@@ -25,7 +25,7 @@ from llamarig.config import load_inventory
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, converge, fresh_sandbox, in_sandbox, verify
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)

@@ -32,7 +32,7 @@ from tests import sandboxes
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
@@ -252,15 +252,7 @@ def test_verify_passes_on_the_converged_sandbox(sandbox_info):
 
 
 def test_verify_names_a_stopped_service(sandbox_info):
-    in_sandbox(sandbox_info, f"systemctl stop {SERVICE}")
-    try:
-        result = verify()
-        assert result.returncode != 0
-        assert "test_service_active_enabled_and_restarting" in result.stdout
-        assert f"{SERVICE} is not running" in result.stdout
-        assert "test_service_hardening" not in result.stdout.split("short test summary")[-1]
-    finally:
-        in_sandbox(sandbox_info, f"systemctl start {SERVICE}")
+    sandboxes.assert_verify_names_a_stopped_service(sandbox_info, INVENTORY, SERVICE)
 
 
 def test_verify_names_an_exposed_port_and_the_deploy_repairs_it(sandbox_info):

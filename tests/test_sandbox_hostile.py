@@ -29,7 +29,7 @@ from llamarig_sandbox.sandbox import WWW_DIR
 from tests import sandboxes
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)

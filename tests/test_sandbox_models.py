@@ -30,7 +30,7 @@ from tests.ggufmodels import split_gguf
 from tests.hubstandin import HubStandIn, RunningStandIn
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)

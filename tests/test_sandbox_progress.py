@@ -19,7 +19,7 @@ import yaml
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, converge, deploy, fresh_sandbox
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)

@@ -26,7 +26,7 @@ from tests import sandboxes
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rigs need root (systemd-nspawn)", allow_module_level=True)

@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import PROJECT
 from tests.sandboxes import deploy, fresh_sandbox, in_sandbox
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)

@@ -25,7 +25,7 @@ from tests import sandboxes
 from tests.conftest import PROJECT, pyinfra_env
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 
-pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
