@@ -101,7 +101,8 @@ def format_bytes(size: float) -> str:
         unit += 1
     if unit == 0:
         return f"{int(size)} B"
-    return f"{size:.3g} {units[unit]}" if size < 1000 else f"{size:.0f} {units[unit]}"
+    # From 999.5 up, three significant digits round to 1000, which `.3g` writes as 1e+03.
+    return f"{size:.3g} {units[unit]}" if size < 999.5 else f"{size:.0f} {units[unit]}"
 
 
 def format_rate(bytes_per_second: float | None) -> str:

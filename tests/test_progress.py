@@ -292,3 +292,11 @@ def test_a_build_shows_ninja_steps_and_its_duration(tmp_path):
     assert re.search(r"build: built in \d+s \(41 steps\)", stderr), stderr
     code, results, stderr = run_deploy(tmp_path, body)
     assert (code, results["totals"]["success"]) == (0, 0) and "build:" not in stderr
+
+
+@pytest.mark.parametrize(
+    "kib, shown", [(999.4, "999 KiB"), (999.7, "1000 KiB"), (1023, "1023 KiB")]
+)
+def test_sizes_just_under_a_thousand_units_are_written_out(kib, shown):
+    # A download at 1018-1023 KiB/s was shown as "1e+03 KiB/s" (seen in a CI-like run).
+    assert progress.format_bytes(kib * 1024) == shown
