@@ -850,8 +850,7 @@ def prepare(releases: tuple[str, ...] = ("trixie",)) -> None:
     with _exclusive_lock():
         ensure_host_tools()
         ensure_ssh_key()
-        ensure_test_model(ensure_llama_mirror())
-        ensure_real_model()
+        _served_models(DEFAULT_HTTP_PORT)
         for release in releases:
             ensure_base_root(release)
 

@@ -84,6 +84,9 @@ def inventory(tmp_path, mode: str):
     rig["ssh"].update(port=SSH_PORT, known_hosts=f"/var/cache/llamarig/sandbox/{NAME}/known_hosts")
     rig["driver"]["secure_boot"] = mode
     rig["reboot"] = "never"  # a reboot would drop the faked variable (a tmpfs)
+    # Signing concerns the driver's module alone: Debian's CUDA toolkit (1.5 GB of packages,
+    # installed by test_sandbox_bookworm) would only slow this down.
+    rig["cuda"] = {"source": "none"}
     data["all"]["children"]["sandbox"]["hosts"][NAME] = rig
     path = tmp_path / f"secureboot-{mode}.yml"
     path.write_text(yaml.safe_dump(data))
