@@ -860,10 +860,16 @@ until {tcp_probe(endpoint)}; do
   # A crash loop (auto-restart) or an exit (ggml-rpc-server exits 0 when it cannot bind) ends
   # the wait early.
   state=$(systemctl show --value -p ActiveState -p SubState -- {quoted} | tr '\\n' ' ')
-  case "$state" in *auto-restart*|*inactive*|*failed*) deadline=0 ;; esac
-  if [ $(date +%s) -ge $deadline ]; then
-    printf 'llamarig: %s does not accept connections on %s; its journal:\\n' \\
-      {quoted} {q_endpoint} >&2
+  stopped=""
+  case "$state" in *auto-restart*|*inactive*|*failed*) stopped=${{state% }} ;; esac
+  if [ -n "$stopped" ] || [ $(date +%s) -ge $deadline ]; then
+    if [ -n "$stopped" ]; then
+      printf 'llamarig: %s stopped (%s) without accepting connections on %s; its journal:\\n' \\
+        {quoted} "$stopped" {q_endpoint} >&2
+    else
+      printf 'llamarig: %s does not accept connections on %s after %s s; its journal:\\n' \\
+        {quoted} {q_endpoint} {int(timeout)} >&2
+    fi
     journalctl -u {quoted} -n 20 --no-pager -o cat >&2
     held=$(ss -Htanp "( sport = :"{port}" )" 2>/dev/null)
     if [ -n "$held" ]; then

