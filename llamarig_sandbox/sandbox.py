@@ -956,7 +956,8 @@ def _sandbox_pids(name: str) -> list[int]:
     return pids
 
 
-def _signal_all(pids: list[int], signum: int) -> None:
+def signal_all(pids: list[int], signum: int) -> None:
+    """Send ``signum`` to each of ``pids``; one that has exited meanwhile is skipped."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signum)
@@ -970,10 +971,10 @@ def _stop_sandbox_processes(name: str) -> None:
     if not _sandbox_pids(name):
         return
     supervisor = _supervisor_pid(name)
-    _signal_all([supervisor] if supervisor else _sandbox_pids(name), signal.SIGTERM)
+    signal_all([supervisor] if supervisor else _sandbox_pids(name), signal.SIGTERM)
     if not _wait_until(lambda: not _sandbox_pids(name), SHUTDOWN_TIMEOUT_S, interval_s=0.5):
         _say(f"{name} did not halt within {SHUTDOWN_TIMEOUT_S} s; killing it")
-        _signal_all(_sandbox_pids(name), signal.SIGKILL)
+        signal_all(_sandbox_pids(name), signal.SIGKILL)
         _wait_until(lambda: not _sandbox_pids(name), 10)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import pytest
 
+from llamarig_sandbox.sandbox import signal_all
 from tests import sandboxes
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 
@@ -68,14 +69,6 @@ def option(argv: list[str], name: str) -> str | None:
     return next((value for flag, value in zip(argv, argv[1:], strict=False) if flag == name), None)
 
 
-def _signal(pids: list[int], signum: int) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
-
-
 @contextmanager
 def halted_half_the_time(matches: Callable[[list[str]], bool]) -> Iterator[threading.Event]:
     """While inside, the servers whose argv ``matches`` are stopped for HALTED_S of every
@@ -86,9 +79,9 @@ def halted_half_the_time(matches: Callable[[list[str]], bool]) -> Iterator[threa
     def stutter() -> None:
         while not done.is_set():
             pids = server_processes(matches)
-            _signal(pids, signal.SIGSTOP)
+            signal_all(pids, signal.SIGSTOP)
             time.sleep(HALTED_S)
-            _signal(pids, signal.SIGCONT)
+            signal_all(pids, signal.SIGCONT)
             done.wait(RUNNING_S)
 
     worker = threading.Thread(target=stutter, daemon=True)
@@ -98,7 +91,7 @@ def halted_half_the_time(matches: Callable[[list[str]], bool]) -> Iterator[threa
     finally:
         done.set()
         worker.join()
-        _signal(server_processes(lambda argv: True), signal.SIGCONT)
+        signal_all(server_processes(lambda argv: True), signal.SIGCONT)
 
 
 def inventory(
