@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The test tiers of docs/testing.md: `quick` (make test) and `all` (make test-all, what CI runs).
-# The unit and property tests run on every CPU (pytest-xdist) while the sandbox's roots and
-# downloads are prepared beside them (network-bound work: debootstrap, PyPI); the sandbox
-# scenarios then run one at a time, since they share loopback ports and the machine's CPUs.
+# One pytest run on two workers (pytest-xdist, `--dist loadgroup`): a worker takes a lane of
+# sandbox scenarios (tests/conftest.py, SCENARIO_LANES) and runs it to the end, the other the
+# unit tests one by one, then the next lane. The sandbox's roots and downloads are prepared
+# beside them from the start (network-bound work: debootstrap, PyPI); a scenario's `up` waits
+# for them. Two workers, not one per CPU: a scenario compiles on every CPU.
 set -uo pipefail
 tier=${1:-} bin=${2:-.venv/bin}
 case "$tier" in
-  quick) scenarios="sandbox and not heavy" releases=(--release trixie) ;;
-  all) scenarios="sandbox" releases=(--release trixie --release bookworm) ;;
+  quick) selection=(-m "not heavy") releases=(--release trixie) ;;
+  all) selection=() releases=(--release trixie --release bookworm) ;;
   *) echo "usage: $0 quick|all [VENV_BIN]" >&2; exit 2 ;;
 esac
 prepared=""
@@ -17,10 +19,10 @@ if [ "$(id -u)" = 0 ]; then
   prepared=$!
 fi
 status=0
-"$bin/pytest" -m "not sandbox" -n auto -rs --durations=15 || status=$?
+"$bin/pytest" "${selection[@]}" -n 2 --dist loadgroup --no-loadscope-reorder -rs \
+  --durations=30 || status=$?
 if [ -n "$prepared" ] && ! wait "$prepared"; then
-  echo "llamarig sandbox prepare failed (the scenarios retry it and say why):"
+  echo "llamarig sandbox prepare failed (the scenarios retried it and said why):"
   tail -n 5 "$prepare_log"
 fi
-"$bin/pytest" -m "$scenarios" -rs --durations=0 || status=$?
 exit "$status"

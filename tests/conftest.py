@@ -3,6 +3,7 @@ import shutil
 import subprocess
 import sys
 import threading
+from collections import defaultdict
 from functools import cache
 from pathlib import Path
 
@@ -15,6 +16,75 @@ from tests.netguard import NetworkGuard
 
 PROJECT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
+
+# The sandbox scenarios, longest first (docs/testing.md), each with the lane it shares: the
+# test tiers run two lanes at once (pytest-xdist, `--dist loadgroup`), and the scenarios of one
+# lane run one after the other in this order, because they boot the same sandbox (its name, SSH
+# and server ports) or build with the same compiler (the first build fills ccache for the next).
+SCENARIO_LANES = {
+    "test_sandbox_answers": "sandbox-trixie",
+    "test_sandbox_converge": "sandbox-trixie",
+    "test_sandbox_progress": "sandbox-trixie",
+    "test_sandbox_models": "sandbox-trixie",
+    "test_sandbox_bookworm": "bookworm",
+    "test_sandbox_secureboot": "bookworm",
+    "test_sandbox_trixie_dkms": "sandbox-trixie-distro",
+    "test_sandbox_slowdown": "sandbox-slow",
+    "test_sandbox_tune": "sandbox-tune",
+    "test_sandbox_nvidia_repo": "sandbox-nvidia-repo",
+    "test_sandbox_rpc": "sandbox-rpc",
+    "test_sandbox_hostile": "sandbox-hostile",
+}
+SANDBOX_MODULE_PREFIX = "test_sandbox_"
+
+
+def _module_name(item: pytest.Item) -> str:
+    return item.path.stem
+
+
+def pytest_collection_modifyitems(config, items):
+    """Put each sandbox scenario in its lane (an xdist group) and order the run: the first
+    lane (it fills the trixie ccache the others hit), then the unit tests, which the other
+    worker takes one by one meanwhile, then the remaining lanes."""
+    order = list(SCENARIO_LANES)
+    lanes = list(dict.fromkeys(SCENARIO_LANES.values()))
+    for item in items:
+        module = _module_name(item)
+        if module.startswith(SANDBOX_MODULE_PREFIX) and item.get_closest_marker("sandbox"):
+            if module not in SCENARIO_LANES:
+                raise pytest.UsageError(
+                    f"{item.path.name} has no lane: add it to SCENARIO_LANES in tests/conftest.py"
+                )
+            item.add_marker(pytest.mark.xdist_group(SCENARIO_LANES[module]))
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        module = _module_name(item)
+        if module not in SCENARIO_LANES or not item.get_closest_marker("sandbox"):
+            return (1, 0)
+        lane = lanes.index(SCENARIO_LANES[module])
+        return (0 if lane == 0 else lane + 1, order.index(module))
+
+    items.sort(key=rank)
+
+
+_seconds_by_module: defaultdict[str, float] = defaultdict(float)
+
+
+def pytest_runtest_logreport(report):
+    _seconds_by_module[Path(report.nodeid.split("::", 1)[0]).stem] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Seconds per sandbox scenario (setup, calls and teardown) and for the other tests
+    together: the figures of docs/testing.md's durations table."""
+    scenarios = {m: s for m, s in _seconds_by_module.items() if m in SCENARIO_LANES}
+    if not scenarios:
+        return
+    others = sum(s for m, s in _seconds_by_module.items() if m not in SCENARIO_LANES)
+    terminalreporter.section("seconds per scenario (summed over workers)")
+    for module, seconds in sorted(scenarios.items(), key=lambda pair: -pair[1]):
+        terminalreporter.write_line(f"{seconds:8.0f}  {module}")
+    terminalreporter.write_line(f"{others:8.0f}  the unit and property tests")
 
 
 @pytest.fixture(scope="session")

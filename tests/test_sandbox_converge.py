@@ -39,6 +39,9 @@ if os.geteuid() != 0:
 
 INVENTORY = PROJECT / "inventory" / "hosts.yml"
 SERVICE = "llama-server"
+# The server started by hand with `-lv 4`: a port no other scenario's server uses, since the
+# scenarios run two at a time on the host's one loopback.
+LOGGING_SERVER_PORT = 8095
 
 
 @pytest.fixture(scope="module")
@@ -210,11 +213,12 @@ def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
     data = load_inventory(INVENTORY).hosts["sandbox"].data
     server = data["server"]
     args = render.server_args(data)
-    args[args.index("--port") + 1] = "8099"
+    args[args.index("--port") + 1] = str(LOGGING_SERVER_PORT)
     log = in_sandbox(
         sandbox_info,
         f"{shlex.join(args)} -lv 4 > /tmp/lv4.log 2>&1 & pid=$!; "
-        "for i in $(seq 120); do curl -sf http://127.0.0.1:8099/health >/dev/null && break; "
+        f"for i in $(seq 120); do curl -sf http://127.0.0.1:{LOGGING_SERVER_PORT}/health"
+        " >/dev/null && break; "
         "sleep 0.5; done; kill $pid; wait $pid; cat /tmp/lv4.log",
     )
     loads = [line for line in log.splitlines() if "model buffer size" in line]

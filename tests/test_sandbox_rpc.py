@@ -35,6 +35,9 @@ if os.geteuid() != 0:
 INVENTORY = PROJECT / "inventory" / "sandbox-rpc.yml"
 HEAD_URL = "http://127.0.0.1:8086"
 WORKER = "127.0.0.1:29052"
+# The head started by hand with `-lv 4`: a port no other scenario's server uses, since the
+# scenarios run two at a time on the host's one loopback.
+LOGGING_HEAD_PORT = 8096
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +76,12 @@ def test_head_and_worker_converge_and_serve_with_layers_on_the_worker(head, work
     # worker serves one client at a time, so the unit stops meanwhile.
     data = load_inventory(INVENTORY).hosts["rpc-head"].data
     args = render.server_args(data)
-    args[args.index("--port") + 1] = "8099"
+    args[args.index("--port") + 1] = str(LOGGING_HEAD_PORT)
     log = in_sandbox(
         head,
         f"systemctl stop llama-server; {shlex.join(args)} -lv 4 > /tmp/lv4.log 2>&1 & pid=$!; "
-        "for i in $(seq 120); do curl -sf http://127.0.0.1:8099/health >/dev/null && break; "
+        f"for i in $(seq 120); do curl -sf http://127.0.0.1:{LOGGING_HEAD_PORT}/health >/dev/null"
+        " && break; "
         "sleep 0.5; done; kill $pid; wait $pid; systemctl start llama-server; cat /tmp/lv4.log",
     )
     buffers = [line for line in log.splitlines() if "RPC" in line and "buffer size" in line]
