@@ -42,10 +42,13 @@ def _module_name(item: pytest.Item) -> str:
     return item.path.stem
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Put each sandbox scenario in its lane (an xdist group) and order the run: the first
     lane (it fills the trixie ccache the others hit), then the unit tests, which the other
-    worker takes one by one meanwhile, then the remaining lanes."""
+    worker takes one by one meanwhile, then the remaining lanes. First of the hooks, because
+    xdist's own (on each worker) turns the xdist_group marker into the node id's `@lane`
+    suffix that its scheduler groups by: a marker added after it groups nothing."""
     order = list(SCENARIO_LANES)
     lanes = list(dict.fromkeys(SCENARIO_LANES.values()))
     for item in items:
@@ -65,6 +68,25 @@ def pytest_collection_modifyitems(config, items):
         return (0 if lane == 0 else lane + 1, order.index(module))
 
     items.sort(key=rank)
+
+
+def pytest_xdist_node_collection_finished(node, ids):
+    """Refuse a run whose lanes did not take: xdist groups by the `@lane` suffix it writes into
+    each node id, and where that write has no effect (pytest 9.2 with xdist 3.8,
+    pytest-xdist#1386) two scenarios of one sandbox would run at once and fail each other."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    ungrouped = [
+        nodeid
+        for nodeid in ids
+        if Path(nodeid.split("::")[0]).stem in SCENARIO_LANES and "@" not in nodeid
+    ]
+    if ungrouped:
+        raise pytest.UsageError(
+            f"--dist loadgroup did not group {len(ungrouped)} scenario tests (first: "
+            f"{ungrouped[0]}): pytest {pytest.__version__} with this pytest-xdist drops the "
+            "groups (pytest-xdist#1386); install the pinned versions: pip install -e '.[dev]'"
+        )
 
 
 _seconds_by_module: defaultdict[str, float] = defaultdict(float)
