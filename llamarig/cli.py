@@ -7,6 +7,7 @@ import copy
 import json
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from llamarig.hubref import HubError
 from llamarig.model_lock import resolved
 from llamarig.plan import plan_host
 from llamarig.remote import SshTarget, gather, run_on_host, shell_reader
-from llamarig.shapes import address_problem
+from llamarig.shapes import SHA256_HEX, address_problem, host_name_problem
 from llamarig.tune import TuneError, tune_host
 from llamarig.verify import verify_host
 
@@ -143,20 +144,72 @@ MODEL_HINT = (
 )
 
 
+INIT_REACH_TIMEOUT_S = 60
+
+
+def _init_problems(args: argparse.Namespace) -> list[str]:
+    """What is wrong with init's own arguments, found before the box is contacted."""
+    problems = []
+    name_problem = host_name_problem(args.name)
+    if name_problem:
+        problems.append(f"NAME: {name_problem}")
+    if args.address:
+        address = address_problem(args.address, "--port", "--user")
+        if address:
+            problems.append(f"--address: {address}")
+    elif not args.local:
+        problems.append("give the box's address (--address HOST) or --local")
+    if not 0 < args.port < 65536:
+        problems.append(f"--port: {args.port} is not a TCP port (1-65535)")
+    for flag, value in (("--key", args.key), ("--known-hosts", args.known_hosts)):
+        if value and not Path(os.path.expanduser(value)).is_file():
+            problems.append(f"{flag}: there is no file {value}")
+    if args.model and not args.sha256:
+        problems.append("--model needs --sha256: the model file's sha256 (sha256sum FILE)")
+    if args.sha256 and not SHA256_HEX.fullmatch(args.sha256):
+        problems.append(
+            f"--sha256: {args.sha256!r} is not a sha256: 64 lowercase hex digits (sha256sum FILE)"
+        )
+    if args.sha256 and not args.model:
+        problems.append("--sha256 without --model: give the model's URL with --model")
+    if args.output:
+        target = Path(args.output)
+        if target.is_dir():
+            problems.append(
+                f"--output: {target} is a directory: give a file, e.g. {target}/rig.yml"
+            )
+        elif not target.parent.is_dir():
+            problems.append(f"--output: there is no directory {target.parent} to write it in")
+        elif target.exists() and not args.force:
+            problems.append(f"--output: {target} exists (pass --force to replace it)")
+    return problems
+
+
 def _init(args: argparse.Namespace) -> int:
+    problems = _init_problems(args)
+    if problems:
+        for problem in problems:
+            print(f"llamarig init: {problem}", file=sys.stderr)
+        return 2
     if args.local:
         ssh: dict = {"local": True}
-    elif args.address:
+    else:
         ssh = {"host": args.address, "user": args.user, "port": args.port}
         ssh.update({k: v for k, v in (("key", args.key), ("known_hosts", args.known_hosts)) if v})
-    else:
-        print("llamarig init: give the box's address (--address HOST) or --local", file=sys.stderr)
-        return 2
-    # The address is checked before any connection, as the inventory's would be.
-    problem = address_problem(args.address, "--port", "--user") if args.address else None
-    if problem:
-        print(f"llamarig init: --address: {problem}", file=sys.stderr)
-        return 2
+    # A box that does not answer would read as one without GPUs: say so instead.
+    try:
+        reached = run_on_host({"ssh": ssh}, "true", timeout=INIT_REACH_TIMEOUT_S)
+        said = (reached.stderr.strip().splitlines() or ["no message"])[-1]
+        failure = None if reached.returncode == 0 else f"exit {reached.returncode}: {said}"
+    except subprocess.TimeoutExpired:
+        failure = f"no answer within {INIT_REACH_TIMEOUT_S} s"
+    if failure:
+        print(
+            f"llamarig init: cannot run a command on {args.address or 'this machine'} "
+            f"({failure}); nothing was written",
+            file=sys.stderr,
+        )
+        return 1
     found = probe(shell_reader({"ssh": ssh}))
     settings = host_entry(ssh, found)
     if args.model:
@@ -193,9 +246,6 @@ def _init(args: argparse.Namespace) -> int:
             )
     if args.output:
         target = Path(args.output)
-        if target.exists() and not args.force:
-            print(f"llamarig init: {target} exists (pass --force to replace it)", file=sys.stderr)
-            return 2
         target.write_text(text)
         print(f"llamarig init: wrote {target}", file=sys.stderr)
     else:

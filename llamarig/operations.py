@@ -1127,11 +1127,12 @@ def atomic_file(src: IO[str], dest: str, mode: str = "644"):
 
 
 @operation()
-def secret_file(src: str, dest: str):
+def secret_file(src: str | IO[bytes], dest: str):
     """
-    Copy a secret (an API key) to a root-only file on the host, only when it differs.
+    Copy a secret (an API key, a token's header) to a root-only file on the host, only when
+    it differs.
 
-    + src: local file with the secret
+    + src: local file with the secret, or a binary stream holding it
     + dest: file on the host, created 0600 before anything is written to it
 
     Unlike ``files.put`` this never shows the content (pyinfra's ``--diff`` prints what
@@ -1144,15 +1145,20 @@ def secret_file(src: str, dest: str):
 
         secret_file(src="~/.config/llamarig/rig1.key", dest="/etc/llamarig/api-key")
     """
-    with open(src, "rb") as handle:
-        wanted = hashlib.sha256(handle.read()).hexdigest()
-    if (known(FileState, path=dest) or {}).get("sha256") == wanted:
+    if hasattr(src, "read"):
+        # From the start: pyinfra may run an operation's generator more than once.
+        src.seek(0)
+        secret = src.read()
+    else:
+        with open(src, "rb") as handle:
+            secret = handle.read()
+    if (known(FileState, path=dest) or {}).get("sha256") == hashlib.sha256(secret).hexdigest():
         host.noop(f"{dest} is up to date")
         return
     quoted, temporary = shlex.quote(dest), shlex.quote(dest + ATOMIC_SUFFIX)
     # The copy is root-only before a byte is written to it, then renamed over the key.
     yield f"mkdir -p $(dirname {quoted}) && umask 077 && : > {temporary} && chmod 600 {temporary}"
-    yield FileUploadCommand(src, dest + ATOMIC_SUFFIX)
+    yield FileUploadCommand(BytesIO(secret), dest + ATOMIC_SUFFIX)
     yield f"chown root:root {temporary} && {rename_into_place(dest, '600')}"
 
 

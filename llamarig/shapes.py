@@ -19,6 +19,11 @@ from urllib.parse import unquote, urlsplit
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
 _LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
 # Debian policy: package names and (epoch-less) versions.
+# An inventory's host name is a label, not an address: pyinfra reads a leading `@` as a
+# connector (`@local` runs on the control machine, `@chroot/DIR` in a chroot), and the name
+# becomes a file name (tuned/HOST.yml) and pyinfra's name for the host on every line it prints.
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _DEBIAN_PACKAGE = re.compile(r"^[a-z0-9][a-z0-9+.-]+$")
 _DEBIAN_VERSION = re.compile(r"^[0-9][A-Za-z0-9.+~]*(?:-[A-Za-z0-9.+~]+)*$")
 _LOGIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -100,6 +105,17 @@ def _host_name_problem(value: str) -> str | None:
     if labels[-1].isdigit():
         return f"{value!r} is not a valid IPv4 address (four numbers 0-255); {EXAMPLE_ADDRESS}"
     return None
+
+
+def host_name_problem(name: str) -> str | None:
+    """What keeps ``name`` from being an inventory host name, or None."""
+    if _HOST_NAME.fullmatch(name) and ".." not in name:
+        return None
+    return (
+        f"{name!r} is not a host name: use letters, digits, `.`, `-` and `_`, starting with a "
+        "letter or digit, at most 63 characters (e.g. `rig1`); where the box is goes in its "
+        "`ssh.host`"
+    )
 
 
 def address_problem(

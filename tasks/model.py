@@ -5,7 +5,6 @@ import io
 
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
-from pyinfra.operations import files
 
 from llamarig import operations, stage
 from llamarig.config.derived import model_files
@@ -49,13 +48,11 @@ def deploy() -> list[OperationMeta]:
             group="root",
             mode="700",
         )
-        files.put(
+        # secret_file, not files.put: `--diff` prints what files.put writes.
+        operations.secret_file(
             name=f"Hugging Face token for the download ({header_file}, root only)",
-            src=io.StringIO(f"Authorization: Bearer {read_token(model['token_file'])}\n"),
+            src=io.BytesIO(f"Authorization: Bearer {read_token(model['token_file'])}\n".encode()),
             dest=header_file,
-            user="root",
-            group="root",
-            mode="600",
         )
     # A file in place without a valid record (from before records, changed on the host, or
     # model.rehash) is hashed here, so a digest that matches changes no download and restarts

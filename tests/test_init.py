@@ -11,6 +11,7 @@ import hashlib
 import subprocess
 import sys
 
+import pytest
 import yaml
 from pyinfra.facts.server import LinuxDistribution
 
@@ -131,6 +132,40 @@ def test_init_refuses_a_hostile_address_before_connecting():
     assert result.returncode == 2 and "starts with `-`" in result.stderr
     result = _init("x", "--address", "root@10.0.0.5:2222")
     assert result.returncode == 2 and "--user" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("arguments", "refusal"),
+    [
+        (["@local", "--address", "192.0.2.10"], "'@local' is not a host name"),
+        (["../../tmp/evil", "--address", "192.0.2.10"], "'../../tmp/evil' is not a host name"),
+        (["rig\u200b1", "--local"], "is not a host name"),
+        (["rig1", "--local", "--sha256", "0123abcd"], "--sha256: '0123abcd' is not a sha256"),
+        (["rig1", "--local", "--model", "http://192.0.2.10/m.gguf"], "--model needs --sha256"),
+        (["rig1", "--address", "192.0.2.10", "--port", "70000"], "--port: 70000 is not"),
+        (["rig1", "--address", "192.0.2.10", "--known-hosts", "/nonexistent"], "no file"),
+        (["rig1", "--local", "--output", "/nonexistent/rig.yml"], "no directory /nonexistent"),
+        (["rig1", "--local", "--output", "/"], "--output: / is a directory"),
+    ],
+)
+def test_init_checks_its_own_arguments_before_contacting_the_box(tmp_path, arguments, refusal):
+    result = _init(*arguments)
+    assert result.returncode == 2 and refusal in result.stderr, result.stderr
+    assert "cannot run a command" not in result.stderr  # refused before any connection
+
+
+def test_init_that_cannot_reach_the_box_fails_and_writes_nothing(tmp_path):
+    known_hosts = tmp_path / "known_hosts"
+    known_hosts.write_text("")
+    output = tmp_path / "rig.yml"
+    # In its own network namespace: nothing listens on 127.0.0.1 there.
+    result = _init(
+        "rig1", "--address", "127.0.0.1", "--port", "2299", "--known-hosts", str(known_hosts),
+        "--output", str(output),
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "cannot run a command on 127.0.0.1" in result.stderr
+    assert "nothing was written" in result.stderr and not output.exists()
 
 
 def test_init_with_a_model_plans_it_and_the_entry_loads(tmp_path, file_server):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import subprocess
 import threading
 from pathlib import Path
@@ -21,6 +22,7 @@ from llamarig.config.derived import ModelFile, model_files
 from llamarig.gguf_header import GgufError, merge_split, read_gguf_header_file
 from llamarig.hostjob import JobCommand
 from llamarig.hubref import HubError
+from llamarig.operations import ATOMIC_SUFFIX
 from llamarig.plan import load_header, plan_host
 from llamarig.shards import shard_names, sibling_paths, sibling_urls, split_parts
 from tests import hubstandin
@@ -485,7 +487,7 @@ def command_text(command) -> str | None:
 class TestModelStage:
     """tasks/model.py's operations as pyinfra renders them for @local (built, not run)."""
 
-    def operations_of(self, inventory_file: Path, monkeypatch) -> list[tuple[str, list]]:
+    def operations_of(self, inventory_file: Path, monkeypatch, **config) -> list[tuple[str, list]]:
         from pyinfra.api import Config, Inventory, State
         from pyinfra.api.connect import connect_all
         from pyinfra.context import ctx_host, ctx_state
@@ -497,7 +499,7 @@ class TestModelStage:
         monkeypatch.setenv("RIG_INVENTORY", str(inventory_file))
         host_config = load_inventory(inventory_file).hosts["here"]
         inventory = Inventory(([pyinfra_host(host_config)], {}))
-        state = State(inventory, Config())
+        state = State(inventory, Config(**config))
         connect_all(state)
         monkeypatch.setattr(stage, "_rigs", {})
         host = inventory.get_host("@local")
@@ -512,7 +514,7 @@ class TestModelStage:
             ]
 
     def test_the_token_reaches_the_host_only_in_the_uploaded_header_file(
-        self, tmp_path, stand_in, llama_pair, monkeypatch
+        self, tmp_path, stand_in, llama_pair, monkeypatch, caplog
     ):
         from pyinfra.api.command import FileUploadCommand
 
@@ -531,13 +533,15 @@ class TestModelStage:
             "      gpus: [{name: NVIDIA GeForce RTX 3090, vram_mib: 24576, "
             'compute_capability: "8.6"}]\n'
         )
-        operations = self.operations_of(inventory_file, monkeypatch)
+        # --diff: pyinfra's files.put would print the new file's content ("Will create ...").
+        caplog.set_level(logging.DEBUG)
+        operations = self.operations_of(inventory_file, monkeypatch, DIFF=True)
+        assert caplog.records and "tk-5a" not in caplog.text
         commands = [command for _, listed in operations for command in listed]
         uploads = [c for c in commands if isinstance(c, FileUploadCommand)]
         shells = [text for c in commands if (text := command_text(c)) is not None]
-        assert [(u.dest, u.src.getvalue()) for u in uploads] == [
-            (TOKEN_HEADER_FILE, "Authorization: Bearer tk-5a\n")
-        ]
+        assert [u.dest.removesuffix(ATOMIC_SUFFIX) for u in uploads] == [TOKEN_HEADER_FILE]
+        assert uploads[0].src.getvalue() == b"Authorization: Bearer tk-5a\n"
         assert not any("tk-5a" in text for text in shells + [n for n, _ in operations])
         assert not any("tk-5a" in repr(c) for c in commands)
         [fetch] = [text for text in shells if "curl" in text]

@@ -21,6 +21,7 @@ from llamarig.config.loader import defaults, load_yaml, shape_problem
 from llamarig.config.paths import DEFAULTS_PATH, inventory_path
 from llamarig.config.problems import ConfigError, did_you_mean, json_type
 from llamarig.config.validation import validate_host
+from llamarig.shapes import host_name_problem
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -244,6 +245,10 @@ def load_inventory(path: Path | None = None) -> Inventory:
                 )
                 for host_name, settings in hosts_here.items():
                     if not named(host_name, f"{key_path}.hosts.{host_name}", "host name"):
+                        continue
+                    name_problem = host_name_problem(host_name)
+                    if name_problem:
+                        problems.append(f"{path}: {key_path}.hosts: {name_problem}")
                         continue
                     if settings is not None and not isinstance(settings, dict):
                         problems.append(
