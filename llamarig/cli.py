@@ -150,9 +150,6 @@ INIT_REACH_TIMEOUT_S = 60
 def _init_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with init's own arguments, found before the box is contacted."""
     problems = []
-    name_problem = host_name_problem(args.name)
-    if name_problem:
-        problems.append(f"NAME: {name_problem}")
     if args.address:
         address = address_problem(args.address, "--port", "--user")
         if address:
@@ -268,6 +265,70 @@ def _tune(args: argparse.Namespace) -> int:
     return status
 
 
+# A sweep that resumes is bounded by the user; a day is beyond any that helps.
+MAX_TUNE_MINUTES = 24 * 60
+MAX_COMPLETION_TOKENS = 4096
+# The prompt travels in one ssh command line (curl -d), which Linux bounds at 128 KiB per word.
+MAX_PROMPT_CHARACTERS = 16384
+
+
+def _minutes(text: str) -> float:
+    """--minutes: a finite number of minutes above 0, at most a day."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= MAX_TUNE_MINUTES:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a time bound: minutes above 0, at most {MAX_TUNE_MINUTES} "
+            "(e.g. --minutes 10)"
+        )
+    return value
+
+
+def _tokens(text: str) -> int:
+    """--tokens: a whole number of tokens from 1 to MAX_COMPLETION_TOKENS."""
+    if not text.isdigit() or not 0 < int(text) <= MAX_COMPLETION_TOKENS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of tokens: 1 to {MAX_COMPLETION_TOKENS} (e.g. --tokens 16)"
+        )
+    return int(text)
+
+
+def _gguf_file(text: str) -> str:
+    """plan --model: an existing regular file (a FIFO or a device would be read forever)."""
+    path = Path(os.path.expanduser(text))
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a GGUF file on this machine"
+            + (
+                " (a directory)"
+                if path.is_dir()
+                else " (no such file)"
+                if not path.exists()
+                else ""
+            )
+        )
+    return str(path)
+
+
+def _prompt(text: str) -> str:
+    """--prompt: text a completion can take, bounded so it fits one command line."""
+    if not text or len(text) > MAX_PROMPT_CHARACTERS:
+        raise argparse.ArgumentTypeError(
+            f"a prompt is 1 to {MAX_PROMPT_CHARACTERS} characters, not {len(text)}"
+        )
+    return text
+
+
+def _host_name(text: str) -> str:
+    """--host: a name as the inventory's hosts are named (refused before the inventory)."""
+    problem = host_name_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -278,8 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         "anything: GPUs, architectures, version checks, per-GPU memory, cmake and llama-server "
         "arguments; exit 1 when a plan does not fit",
     )
-    plan_parser.add_argument("--host", help="only this host")
-    plan_parser.add_argument("--model", help="plan against this local GGUF file")
+    plan_parser.add_argument("--host", type=_host_name, help="only this host")
+    plan_parser.add_argument("--model", type=_gguf_file, help="plan against this local GGUF file")
     plan_parser.add_argument(
         "--probe", action="store_true", help="read the GPUs from the host over SSH"
     )
@@ -295,9 +356,9 @@ def main(argv: list[str] | None = None) -> int:
     complete_parser = commands.add_parser(
         "complete", help="send a completion to each host's server (over SSH) and print it"
     )
-    complete_parser.add_argument("--host", help="only this host")
-    complete_parser.add_argument("--prompt", default="The llama is an animal that")
-    complete_parser.add_argument("--tokens", type=int, default=16)
+    complete_parser.add_argument("--host", type=_host_name, help="only this host")
+    complete_parser.add_argument("--prompt", type=_prompt, default="The llama is an animal that")
+    complete_parser.add_argument("--tokens", type=_tokens, default=16)
     complete_parser.add_argument(
         "--chat",
         action="store_true",
@@ -310,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         help="check each host against its rig data with the testinfra suite in llamarig/checks "
         "(over ssh:// with strict host keys); exit non-zero when a check fails",
     )
-    verify_parser.add_argument("--host", help="only this host")
+    verify_parser.add_argument("--host", type=_host_name, help="only this host")
     verify_parser.add_argument(
         "--rehash",
         action="store_true",
@@ -326,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         help="probe a box over SSH (nvidia-smi, else PCI ids) and write its inventory entry: "
         "the GPUs in bus order with bus ids, suggested driver and CUDA sources",
     )
-    init_parser.add_argument("name", help="the host's name in the inventory")
+    init_parser.add_argument("name", type=_host_name, help="the host's name in the inventory")
     init_parser.add_argument("--address", help="the box's address (ssh.host)")
     init_parser.add_argument("--user", default="root")
     init_parser.add_argument("--port", type=int, default=22)
@@ -344,10 +405,10 @@ def main(argv: list[str] | None = None) -> int:
         "(split mode and ratio, micro-batch, threads) and write the fastest to "
         "inventory/tuned/HOST.yml, which the next deploy serves; stops the service meanwhile",
     )
-    tune_parser.add_argument("--host", help="only this host")
+    tune_parser.add_argument("--host", type=_host_name, help="only this host")
     tune_parser.add_argument(
         "--minutes",
-        type=float,
+        type=_minutes,
         default=10,
         help="time bound of the sweep (default 10); a later run resumes it",
     )
@@ -361,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
         "planned (its launcher): for hosts without systemd (server.supervisor: none) and for "
         "debugging; over SSH for remote hosts",
     )
-    run_parser.add_argument("--host", help="the host (required when the inventory has several)")
+    run_parser.add_argument(
+        "--host", type=_host_name, help="the host (required when the inventory has several)"
+    )
     run_parser.add_argument(
         "server_args", nargs="*", help="more llama-server arguments (after --), e.g. -lv 4"
     )

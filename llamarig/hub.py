@@ -57,6 +57,7 @@ from llamarig.hubref import (
     HubError,
     Reference,
     problem,
+    quant_pattern,
     read_token,
     validated,
 )
@@ -189,10 +190,6 @@ def _status(error: HfHubHTTPError) -> str:
     return f"HTTP {response.status_code}" + (f", {message[:200]}" if message else "")
 
 
-def _quant_pattern(quant: str) -> re.Pattern:
-    return re.compile(rf"(?<![A-Za-z0-9_]){re.escape(quant)}(?![A-Za-z0-9_])", re.IGNORECASE)
-
-
 def _candidates(paths: list[str]) -> dict[str, list[str]]:
     """GGUF models among ``paths``: the first shard (or the file) -> the shards present."""
     models: dict[str, list[str]] = {}
@@ -216,7 +213,7 @@ def _listed(models: dict[str, list[str]]) -> str:
 
 def _pick_quant(ref: Reference, paths: list[str], commit: str) -> str:
     models = _candidates(paths)
-    pattern = _quant_pattern(ref.quant)
+    pattern = quant_pattern(ref.quant)
     matches = [first for first in models if pattern.search(first)]
     where = f"{ref.repo} at {ref.revision} ({commit[:12]})"
     if not matches:

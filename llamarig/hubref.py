@@ -8,12 +8,15 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
+# Hugging Face tokens are about 40 characters; a file far larger is not a token file.
+MAX_TOKEN_BYTES = 4096
 KEYS = ("hf", "file", "quant", "revision", "endpoint", "token_file")
 
 # The Hub's own rules for a repo id, with the namespace required: word characters, '-' and
@@ -56,6 +59,11 @@ def problem(key: str, message: str) -> HubError:
     return HubError(("model", key), message)
 
 
+def quant_pattern(quant: str) -> re.Pattern:
+    """``quant`` as a whole part of a file's path in a repo, in any case."""
+    return re.compile(rf"(?<![A-Za-z0-9_]){re.escape(quant)}(?![A-Za-z0-9_])", re.IGNORECASE)
+
+
 def validated(reference: Mapping) -> Reference:
     """The reference's values in shapes that cannot carry shell syntax, checked before any
     request is made."""
@@ -65,11 +73,17 @@ def validated(reference: Mapping) -> Reference:
     if unknown:
         raise problem(unknown[0], f"is not a key of a Hugging Face reference ({', '.join(KEYS)})")
     repo = reference.get("hf")
-    if not isinstance(repo, str) or not _REPO.fullmatch(repo) or "--" in repo or ".." in repo:
+    if (
+        not isinstance(repo, str)
+        or not _REPO.fullmatch(repo)
+        or "--" in repo
+        or ".." in repo
+        or repo.endswith(".git")
+    ):
         raise problem(
             "hf",
-            f"{repo!r} is not a repo id: ORG/REPO, letters, digits, '_', '-' and '.', e.g. "
-            "bartowski/SmolLM2-135M-Instruct-GGUF",
+            f"{repo!r} is not a repo id: ORG/REPO, letters, digits, '_', '-' and '.', not "
+            "ending in .git, e.g. bartowski/SmolLM2-135M-Instruct-GGUF",
         )
     file, quant = reference.get("file"), reference.get("quant")
     if (file is None) == (quant is None):
@@ -113,36 +127,58 @@ def validated(reference: Mapping) -> Reference:
 def _validated_endpoint(endpoint: object) -> str:
     match = _ENDPOINT.fullmatch(endpoint) if isinstance(endpoint, str) else None
     host = match["host"] if match else ""
-    if host.startswith("["):
-        try:
-            valid_host = ipaddress.ip_address(host[1:-1]).version == 6
-        except ValueError:
-            valid_host = False
-    else:
-        valid_host = bool(_HOST.fullmatch(host))
+    address = None
+    try:
+        address = ipaddress.ip_address(host[1:-1] if host.startswith("[") else host)
+        valid_host = address.version == 6 or not host.startswith("[")
+    except ValueError:
+        valid_host = not host.startswith("[") and bool(_HOST.fullmatch(host))
     if not match or not valid_host or not 0 < int(match["port"] or 443) < 65536:
         raise problem(
             "endpoint",
-            f"{endpoint!r} is not an http(s) URL of a Hub: scheme, host, optional port and path, "
+            f"{endpoint!r} is not an https URL of a Hub: scheme, host, optional port and path, "
             f"no user, query or fragment (default {DEFAULT_ENDPOINT})",
+        )
+    # The token travels to the endpoint: in the clear only to a mirror on this machine.
+    loopback = host == "localhost" or (address is not None and address.is_loopback)
+    if match["scheme"] == "http" and not loopback:
+        raise problem(
+            "endpoint",
+            f"{endpoint!r} is plain http, which shows the token and the files to the network: "
+            f"use https://{endpoint.split('://', 1)[1].rstrip('/')} (http only for a mirror on "
+            "127.0.0.1 or localhost)",
         )
     return endpoint.rstrip("/")
 
 
 def read_token(token_file: str) -> str:
-    """The token in ``token_file`` (a file on the control machine), checked printable."""
+    """The token in ``token_file`` (a file on the control machine), checked private to its
+    owner and printable."""
     path = Path(os.path.expanduser(token_file))
     try:
-        token = path.read_text(encoding="ascii").strip()
-    except UnicodeDecodeError:
-        token = None
+        # O_NONBLOCK: a FIFO is refused, not waited on.
+        with os.fdopen(os.open(path, os.O_RDONLY | os.O_NONBLOCK), "rb") as stream:
+            mode = os.fstat(stream.fileno()).st_mode
+            raw = stream.read(MAX_TOKEN_BYTES + 1) if stat.S_ISREG(mode) else None
     except OSError as error:
         raise problem(
             "token_file",
             f"cannot read {path} ({error.strerror or error}): give a file on the control machine "
             "that holds a Hugging Face token (https://huggingface.co/settings/tokens)",
         ) from None
-    if not token or not all(33 <= ord(c) < 127 for c in token):
+    if raw is None:
+        raise problem("token_file", f"{path} is not a regular file: give the token's file")
+    if mode & 0o077:
+        raise problem(
+            "token_file",
+            f"{path} can be read by others (mode {stat.S_IMODE(mode):04o}); a token is a "
+            f"password: chmod 600 {path}",
+        )
+    try:
+        token = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        token = None
+    if not token or len(raw) > MAX_TOKEN_BYTES or not all(33 <= ord(c) < 127 for c in token):
         raise problem(
             "token_file",
             f"{path} does not hold a token: one line of printable ASCII without spaces, as "

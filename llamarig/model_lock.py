@@ -20,9 +20,17 @@ from urllib.parse import quote
 
 import yaml
 
+from llamarig.config.loader import load_yaml
 from llamarig.config.paths import inventory_path
-from llamarig.hubref import DEFAULT_ENDPOINT, DEFAULT_REVISION, HubError, validated
-from llamarig.shards import shard_count
+from llamarig.config.problems import ConfigError
+from llamarig.hubref import (
+    DEFAULT_ENDPOINT,
+    DEFAULT_REVISION,
+    HubError,
+    quant_pattern,
+    validated,
+)
+from llamarig.shards import sibling_paths
 
 LOCK_NAME = "models.lock.yml"
 UPDATE_ENV = "LLAMARIG_UPDATE_MODELS"
@@ -61,12 +69,12 @@ def reference_of(model: dict) -> dict:
 def read_lock(path: Path) -> list[dict]:
     """The recorded entries, each checked into shapes that cannot carry shell syntax (the file
     is the user's to commit, so it is read as untrusted input)."""
-    try:
-        document = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not path.exists():
         return []
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        raise _lock_error(path, f"cannot be read ({error})") from None
+    try:
+        document = load_yaml(path)
+    except ConfigError as error:
+        raise _lock_error(path, f"cannot be read ({error.problems[0]})") from None
     entries = (document or {}).get("models", []) if isinstance(document, dict) else None
     if not isinstance(entries, list):
         raise _lock_error(path, "has no `models:` list")
@@ -99,8 +107,17 @@ def _entry_problem(entry: object) -> str | None:
             and isinstance(file.get("size"), int)
         ):
             return f"file {file!r} is not {{path: DIR/NAME.gguf, size, sha256: 64 hex digits}}"
-    if len(files) != shard_count(files[0]["path"]):
-        return f"{files[0]['path']} names {shard_count(files[0]['path'])} shards, not {len(files)}"
+    paths = [file["path"] for file in files]
+    if paths != sibling_paths(paths[0]):
+        return (
+            f"lists {', '.join(paths)}, but a split model is its shards in order from the "
+            f"first: {', '.join(sibling_paths(paths[0]))}"
+        )
+    reference = entry["reference"]
+    if reference.get("file") and reference["file"] != paths[0]:
+        return f"is for {paths[0]}, not for the file its reference names, {reference['file']}"
+    if reference.get("quant") and not quant_pattern(reference["quant"]).search(paths[0]):
+        return f"is for {paths[0]}, whose name does not carry its reference's quant"
     return None
 
 

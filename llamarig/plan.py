@@ -192,7 +192,10 @@ class HostPlan:
             "cuda_architectures": self.cuda_architectures or "",
             "split_mode": server["split_mode"],
             "split_mode_reason": self.split_mode_reason,
-            "tensor_split": list(server["tensor_split"] or []),
+            # a list of shares; "auto" where the split is not planned yet (no header)
+            "tensor_split": server["tensor_split"]
+            if isinstance(server["tensor_split"], str)
+            else list(server["tensor_split"] or []),
             "ctx": server["ctx"],
             "devices": devices,
             "server_args": self.server_args if self.server_args_ready else [],

@@ -118,6 +118,10 @@ def host_name_problem(name: str) -> str | None:
     )
 
 
+# The distribution part of an NVIDIA repository URL (debian12/x86_64, ubuntu2404/sbsa, ...).
+_NVIDIA_DISTRIBUTION_PATH = re.compile(r"/(debian|ubuntu)\d+/(x86_64|sbsa|arm64)/?$")
+
+
 def address_problem(
     value: str, port_key: str, user_key: str | None = None, wildcard: bool = False
 ) -> str | None:
@@ -139,6 +143,9 @@ def address_problem(
                     f"{value!r} holds a user and a port: put `{user}` in `{user_key}`, {port} "
                     f"in `{port_key}` and `{host}` here"
                 )
+            rest = address_problem(address, port_key, wildcard=wildcard)
+            if rest:  # the fix of the address part too, e.g. brackets and a port
+                return f"{value!r} holds a user: put `{user}` in `{user_key}`; then {rest}"
             return f"{value!r} holds a user: put `{user}` in `{user_key}` and `{address}` here"
         return f"{value!r} holds a user part; give only the address, `{address}`"
     if value.startswith("["):
@@ -317,6 +324,14 @@ def shape_problems(data: dict) -> list[tuple]:
             "`nvidia_repo.allow_insecure: true` for a mirror you trust on your own network",
         ),
     )
+    distribution_path = _NVIDIA_DISTRIBUTION_PATH.search(repo["url"])
+    if distribution_path:
+        base = repo["url"][: distribution_path.start()]
+        check(
+            ("nvidia_repo", "url"),
+            f"{repo['url']!r} already names a distribution ({distribution_path[0].strip('/')}), "
+            f"which llamarig appends from the host's release: give the base, {base}",
+        )
     if not _DEBIAN_PACKAGE.match(repo["keyring_package"]):
         check(
             ("nvidia_repo", "keyring_package"),
@@ -336,6 +351,12 @@ def shape_problems(data: dict) -> list[tuple]:
             check(
                 key_path,
                 f"{value!r} starts with {value[0]!r}; a unit name starts with a letter or digit",
+            )
+        elif value.endswith(".service"):
+            check(
+                key_path,
+                f"{value!r} ends in `.service`, which llamarig adds: write "
+                f"{value.removesuffix('.service')!r}",
             )
 
     host_paths = [("paths", key) for key in data["paths"]] + [("model", "path")]

@@ -18,6 +18,20 @@ def split_parts(name: str) -> tuple[str, int, int] | None:
     return match["stem"], int(match["no"]), int(match["count"])
 
 
+def numbering_problem(name: str) -> str | None:
+    """What is wrong with a name that has gguf-split's shape but a numbering it never writes
+    (shard 0, a shard beyond the count), or None."""
+    match = _SPLIT.fullmatch(name)
+    if not match or split_parts(name):
+        return None
+    number, count = int(match["no"]), int(match["count"])
+    return (
+        f"{name} numbers shard {number} of {count}, which gguf-split never writes (shards are "
+        f"numbered from 1 to the count): name the first shard, "
+        f"{match['stem']}-00001-of-{max(count, 1):05d}.gguf"
+    )
+
+
 def shard_names(name: str) -> list[str]:
     """Every shard of the set ``name`` belongs to, in order; ``[name]`` for one file."""
     parts = split_parts(name)

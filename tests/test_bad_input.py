@@ -7,6 +7,7 @@ Each case is one mistake a user can make in a rig file; CASES is the whole table
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -611,7 +612,19 @@ CASES = [
         + "".join(f"a{n}: &a{n} [{', '.join([f'*a{n - 1}'] * 9)}]\n" for n in range(1, 9))
         + "all: {hosts: {rig1: {server: {extra_args: *a8}}}}\n",
         "",
-        ("expands to more than 100000 values", "write the settings out plainly"),
+        ("expands to more than 100000 values", "write aliases out plainly"),
+    ),
+    Case(
+        "yaml-too-many-values-plainly",
+        host("server: {extra_args: [" + ", ".join(["0"] * 100_001) + "]}"),
+        "",
+        ("all.children.rigs.hosts.rig1.server.extra_args", "more than 100000 values"),
+    ),
+    Case(
+        "larger-than-the-cap",
+        BASE + "# " + "x" * (1 << 20) + "\n",
+        "",
+        ("larger than 1024 KiB", "is it the right file?"),
     ),
     Case(
         "yaml-nested-too-deep",
@@ -734,3 +747,22 @@ def test_every_case_is_distinct():
     assert len(BY_ID) == len(CASES)
     texts = [case.text for case in CASES]
     assert len(set(texts)) == len(texts)
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_an_inventory_that_is_not_a_regular_file_is_refused_unread(special, tmp_path):
+    """/dev/zero would be read until memory runs out, a FIFO until someone writes to it."""
+    if special == "fifo":
+        special = tmp_path / "rig.yml"
+        os.mkfifo(special)
+    with pytest.raises(ConfigError) as caught:
+        load_inventory(Path(special))
+    assert caught.value.problems == [f"{special}: is not a regular file; name a YAML file"]
+
+
+def test_an_inventory_that_is_a_directory_is_refused_naming_the_fix(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        load_inventory(tmp_path)
+    assert caught.value.problems == [
+        f"{tmp_path}: is a directory; set RIG_INVENTORY to an inventory file in it"
+    ]

@@ -65,6 +65,16 @@ CASES = [
         ("holds a user and a port", "`root` in `ssh.user`, 2222 in `ssh.port` and `192.0.2.1`"),
     ),
     Case(
+        "ssh-host-with-user-and-bracketed-port",
+        ssh("{host: 'root@[2001:db8::10]:2222'}"),
+        "hosts.rig1.ssh.host",
+        (
+            "put `root` in `ssh.user`",
+            "without brackets: 2001:db8::10",
+            "put the port 2222 in `ssh.port`",
+        ),
+    ),
+    Case(
         "ssh-host-with-port",
         ssh("{host: '192.0.2.1:2222', user: root}"),
         "hosts.rig1.ssh.host",
@@ -266,6 +276,24 @@ CASES = [
         host("server: {service: '-llama'}"),
         "hosts.rig1.server.service",
         ("starts with '-'", "a unit name starts with a letter or digit"),
+    ),
+    Case(
+        "service-with-its-suffix",
+        host("server: {service: llama-server.service}"),
+        "hosts.rig1.server.service",
+        ("ends in `.service`, which llamarig adds", "write 'llama-server'"),
+    ),
+    Case(
+        "nvidia-repo-url-with-the-distribution",
+        host(
+            "nvidia_repo: {url: "
+            "'https://developer.download.nvidia.com/compute/cuda/repos/debian12/x86_64/'}"
+        ),
+        "hosts.rig1.nvidia_repo.url",
+        (
+            "already names a distribution (debian12/x86_64)",
+            "give the base, https://developer.download.nvidia.com/compute/cuda/repos",
+        ),
     ),
     # --- invisible and look-alike characters --------------------------------------------------
     Case(

@@ -7,6 +7,7 @@ import paramiko
 import pytest
 
 from llamarig.config import ConfigError, load_inventory
+from llamarig.config.problems import Problem, located
 from tests.conftest import PROJECT, offline, pyinfra_env
 
 MINIMAL = """
@@ -125,6 +126,21 @@ def test_defaults_file_is_blamed_for_defaults(write_inventory):
     )
     (problem,) = problems_of(write_inventory, text)
     assert problem.startswith("group_data/all.yml: hosts.rig1.llama_cpp.cuda_architectures:")
+
+
+def test_a_model_key_left_at_its_placeholder_is_blamed_on_the_inventory(write_inventory):
+    """A gated repo without `token_file` ("set model.token_file"): the fix goes where the user
+    wrote `model:`, not into the defaults file, whose model keys are empty placeholders."""
+    path = write_inventory(
+        MINIMAL.replace(
+            '            url: https://example.org/m.gguf\n            sha256: "%s"\n' % ("a" * 64),
+            "            hf: org/gated\n            quant: Q8_0\n",
+        )
+    )
+    host = load_inventory(path).hosts["rig1"]
+    problem = located(host, Problem(("model", "token_file"), "set model.token_file"))
+    assert problem == f"{path}: hosts.rig1.model.token_file: set model.token_file"
+    assert host.origins[("model", "token_file")] == "group_data/all.yml"
 
 
 def dry_run(inventory) -> subprocess.CompletedProcess:

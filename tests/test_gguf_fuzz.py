@@ -161,7 +161,7 @@ def plan_command(model: Path) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     ("damage", "status", "words"),
     [
-        ("missing", 2, ("cannot be read (No such file or directory)", "local copy")),
+        ("missing", 2, ("--model", "is not a GGUF file on this machine (no such file)")),
         ("truncated", 2, ("truncated at byte 3000 while reading",)),
         ("not-gguf", 2, ("not a GGUF file (magic b'\\x7fELF'",)),
         (

@@ -375,6 +375,7 @@ class TestTokens:
         wrong = tmp_path / "wrong-token"
         wrong_token = "hf_someoneElsesToken000000000000000"
         wrong.write_text(wrong_token)
+        wrong.chmod(0o600)
         with pytest.raises(HubError) as caught:
             resolve(reference(running.url, "org/Gated", quant="Q8_0", token_file=str(wrong)))
         text = str(caught.value)
@@ -431,7 +432,17 @@ class TestTokens:
         hub_stand_in, running = gated
         path = tmp_path / "token"
         path.write_text(content, encoding="utf-8")
+        path.chmod(0o600)
         with pytest.raises(HubError, match=f"{path} does not hold a token"):
+            resolve(reference(running.url, "org/Gated", quant="Q8_0", token_file=str(path)))
+        assert hub_stand_in.requests == []
+
+    def test_a_token_file_others_can_read_is_refused_before_any_request(self, gated, tmp_path):
+        hub_stand_in, running = gated
+        path = tmp_path / "token"
+        path.write_text(TOKEN)
+        path.chmod(0o640)
+        with pytest.raises(HubError, match=f"mode 0640.*chmod 600 {path}"):
             resolve(reference(running.url, "org/Gated", quant="Q8_0", token_file=str(path)))
         assert hub_stand_in.requests == []
 
@@ -492,7 +503,7 @@ class TestRefusedBeforeAnyRequest:
         with pytest.raises(HubError) as caught:
             resolve({"hf": "org/repo", "quant": "Q8_0", "endpoint": endpoint})
         assert caught.value.key_path == ("model", "endpoint")
-        assert "is not an http(s) URL" in str(caught.value)
+        assert "is not an https URL" in str(caught.value)
         assert hub_stand_in.requests == []
 
     @pytest.mark.parametrize(

@@ -404,3 +404,23 @@ if __name__ == "__main__":  # rewrite ANSIBLE_LISTINGS with the ansible-inventor
             case_path.write_text(text)
             listings[case_name] = ansible_listing(ansible_inventory(), case_path)
     ANSIBLE_LISTINGS.write_text(json.dumps(listings, indent=2, sort_keys=True) + "\n")
+
+
+@pytest.mark.parametrize(
+    "host_name",
+    ["'@local'", "'@chroot/tmp'", "'../x'", "'-x'", "'.hidden'", '"rig\\u200b1"', "'a/b'"],
+)
+def test_a_host_name_that_picks_a_connector_or_a_path_is_refused(write_inventory, host_name):
+    """pyinfra reads `@local` or `@chroot/DIR` in a host's name as the connector to use, and
+    the tuned file of a host named `../x` would be `tuned/../x.yml`: a name is a name."""
+    text = f"""\
+all:
+  vars:
+{COMMON}  hosts:
+    {host_name}: {{ssh: {{host: 192.0.2.10}}}}
+"""
+    path = write_inventory(text)
+    (problem,) = problems_of(write_inventory, text)
+    assert problem.startswith(f"{path}: all.hosts: "), problem
+    assert "is not a host name" in problem
+    assert "`ssh.host`" in problem

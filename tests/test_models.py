@@ -14,6 +14,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import yaml
 from pyinfra.api.command import StringCommand
 
 from llamarig import hub, model_lock, operations
@@ -95,7 +96,7 @@ class TestRules:
             (
                 {"hf": "org/repo", "quant": "Q4", "endpoint": "http://u@h/"},
                 "model.endpoint",
-                "is not an http(s) URL of a Hub",
+                "is not an https URL of a Hub",
             ),
             (
                 {"url": "https://e.org/m-00002-of-00003.gguf", "sha256": SHAS},
@@ -132,6 +133,27 @@ class TestRules:
                 "model.sha256",
                 "one sha256 given",
             ),
+            (
+                {"url": "https://e.org/m-00000-of-00003.gguf", "sha256": SHA},
+                "model.url",
+                "numbers shard 0 of 3, which gguf-split never writes",
+            ),
+            (
+                {"path": "/srv/m-00004-of-00003.gguf"},
+                "model.path",
+                "name the first shard, m-00001-of-00003.gguf",
+            ),
+            (
+                {"url": "https://e.org/m-00001-of-00001.gguf", "sha256": SHAS[:1]},
+                "model.sha256",
+                "fewer than 2 items",
+            ),
+            ({"hf": "org/repo.git", "quant": "Q4"}, "model.hf", "not ending in .git"),
+            (
+                {"hf": "org/repo", "quant": "Q4", "endpoint": "http://hub.example.org"},
+                "model.endpoint",
+                "use https://hub.example.org",
+            ),
         ],
     )
     def test_a_model_section_that_cannot_work_is_refused_by_key(
@@ -143,15 +165,41 @@ class TestRules:
     @pytest.mark.parametrize(
         "model",
         [
-            {"hf": "org/repo", "file": "dir/m.gguf", "revision": "v1.0", "token_file": "~/t"},
+            {"hf": "org/repo", "file": "dir/m.gguf", "revision": "v1.0"},
             {"hf": "org/repo", "quant": "Q4_K_M", "sha256": SHA},
             {"hf": "org/repo", "file": "m-00001-of-00003.gguf", "sha256": SHAS},
             {"url": "https://e.org/m-00001-of-00003.gguf", "sha256": SHAS},
             {"path": "/srv/m-00001-of-00003.gguf"},
+            {"url": "https://e.org/m-00001-of-00001.gguf", "sha256": SHA},
+            {"hf": "org/repo", "quant": "Q4", "endpoint": "http://127.0.0.1:8000/mirror"},
         ],
     )
     def test_a_well_named_model_loads(self, write_inventory, model):
         assert loads(write_inventory, **model)["model"]["hf"] == model.get("hf")
+
+    @pytest.mark.parametrize(
+        ("content", "mode", "words"),
+        [
+            (None, None, "cannot read"),
+            ("", 0o600, "does not hold a token"),
+            ("hf_abc", 0o644, "can be read by others (mode 0644)"),
+            ("hf_abc", 0o600, None),
+        ],
+    )
+    def test_the_token_file_is_checked_when_the_inventory_is_loaded(
+        self, write_inventory, tmp_path, content, mode, words
+    ):
+        """Before any host or Hub is contacted, even where the lock already holds the files."""
+        token = tmp_path / "token"
+        if content is not None:
+            token.write_text(content)
+            token.chmod(mode)
+        model = {"hf": "org/repo", "quant": "Q4", "token_file": str(token)}
+        if words is None:
+            assert loads(write_inventory, **model)["model"]["token_file"] == str(token)
+            return
+        problems = problems_of(write_inventory, **model)
+        assert any("hosts.rig1.model.token_file:" in p and words in p for p in problems), problems
 
 
 class TestShardNames:
@@ -312,6 +360,12 @@ def api_calls(stand_in) -> list[str]:
     return [r.path for r in stand_in.stand_in.requests if r.path.startswith("/api/")]
 
 
+def lock_text(reference: dict, *stems: str) -> str:
+    files = [{"path": f"{stem}.gguf", "size": 1, "sha256": SHA} for stem in stems]
+    entry = {"reference": {"hf": "org/tiny", **reference}, "commit": "a" * 40, "files": files}
+    return yaml.safe_dump({"models": [entry]})
+
+
 class TestLock:
     def test_a_reference_resolves_into_a_url_model_and_is_recorded(
         self, write_inventory, stand_in, split_repo, tmp_path
@@ -396,6 +450,22 @@ class TestLock:
                 "is not {path: DIR/NAME.gguf",
             ),
             ("models:\n- reference: {hf: 'org/$(id)', file: a.gguf}\n", "is not a repo id"),
+            (
+                lock_text(
+                    {"file": "m-00001-of-00002.gguf"}, "m-00002-of-00002", "m-00001-of-00002"
+                ),
+                "a split model is its shards in order from the first: m-00001-of-00002.gguf, "
+                "m-00002-of-00002.gguf",
+            ),
+            (
+                lock_text({"file": "a.gguf"}, "other"),
+                "entry 1: is for other.gguf, not for the file its reference names, a.gguf",
+            ),
+            (
+                lock_text({"quant": "Q8_0"}, "m-Q4_K_M"),
+                "is for m-Q4_K_M.gguf, whose name does not carry its reference's quant",
+            ),
+            ("models: [" + "{}, " * 300_000 + "]", "larger than 1024 KiB"),
         ],
     )
     def test_a_malformed_lock_is_refused_naming_the_file(self, tmp_path, text, words):
@@ -525,6 +595,7 @@ class TestModelStage:
         (tmp_path / "repo" / whole.name).symlink_to(whole)
         stand_in.stand_in.add_repo("org/gated", tmp_path / "repo", gated=True, tokens=("tk-5a",))
         (tmp_path / "token").write_text("tk-5a\n")
+        (tmp_path / "token").chmod(0o600)
         inventory_file = tmp_path / "rig.yml"
         inventory_file.write_text(
             "all:\n  hosts:\n    here:\n      ssh: {local: true}\n"

@@ -64,6 +64,7 @@ def sandbox_info():
 def workdir(tmp_path_factory) -> Path:
     directory = tmp_path_factory.mktemp("inventory")
     (directory / "token").write_text(TOKEN + "\n")
+    (directory / "token").chmod(0o600)
     return directory
 
 

@@ -11,6 +11,7 @@ from pathlib import PurePosixPath
 from llamarig import hardware
 from llamarig.config.problems import Problem, shown
 from llamarig.config.versions import driver_branch_problems
+from llamarig.secureboot import DKMS_SOURCES
 
 # llama.cpp's most sequences per context (LLAMA_MAX_SEQ, src/llama-cparams.h at the pinned
 # commit): `-np` above it fails at context creation (n_seq_max > 256).
@@ -37,6 +38,7 @@ def contradiction_problems(data: dict) -> list[Problem]:
     """Each rule below refuses one kind of setting that cannot work as written."""
     return [
         *_split_mode_none_problems(data["server"]),
+        *_secure_boot_problems(data["driver"]),
         *_parallel_problems(data["server"]),
         *_gpu_table_problems(data["gpus"]),
         *driver_branch_problems(data),
@@ -53,6 +55,14 @@ def _split_mode_none_problems(server: dict) -> list[Problem]:
     """One GPU serves with `split_mode: none`: a split over several contradicts it (a list
     with one non-zero share only picks that card)."""
     split = server["tensor_split"]
+    if server["split_mode"] == "none" and split == "auto":
+        return [
+            Problem(
+                ("server", "tensor_split"),
+                "`auto` plans a split over GPUs, but `split_mode: none` serves from one (the "
+                "first of `gpus`): remove tensor_split (null), or set `split_mode: auto`",
+            )
+        ]
     if server["split_mode"] != "none" or not isinstance(split, list):
         return []
     if sum(1 for share in split if share) < 2:
@@ -63,6 +73,21 @@ def _split_mode_none_problems(server: dict) -> list[Problem]:
             f"{shown(split)} splits the model over GPUs, but `split_mode: none` serves from "
             "one (the first of `gpus`): remove tensor_split (null), or set `split_mode: layer` "
             "or `tensor`",
+        )
+    ]
+
+
+def _secure_boot_problems(driver: dict) -> list[Problem]:
+    """`sign` signs the module llamarig builds with DKMS; a driver it does not install has
+    none to sign."""
+    if driver["secure_boot"] != "sign" or driver["source"] in DKMS_SOURCES:
+        return []
+    return [
+        Problem(
+            ("driver", "secure_boot"),
+            f"`sign` signs the kernel module that llamarig builds, but `driver.source: "
+            f"{driver['source']}` installs none: remove secure_boot (a preinstalled driver is "
+            "signed by whoever installed it), or set driver.source to nvidia-repo or distro",
         )
     ]
 

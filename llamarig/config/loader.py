@@ -5,6 +5,8 @@ what a document may expand to, and the documented defaults read once."""
 from __future__ import annotations
 
 import copy
+import os
+import stat
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -61,23 +63,52 @@ MAX_DEPTH = 32
 MAX_VALUES = 100_000
 
 
-def load_yaml(path: Path) -> Any:
-    """Parse a YAML file; every way it can fail becomes a ConfigError naming the file (and the
-    line and column where YAML knows them)."""
+# An inventory is a few KiB: the cap keeps a wrong file (a model, a log, /dev/zero) from being
+# read whole into memory before it is refused.
+MAX_FILE_BYTES = 1 << 20
+
+
+def _read_capped(path: Path, limit: int) -> bytes:
     try:
-        raw = path.read_bytes()
+        # O_NONBLOCK: opening a FIFO would wait for a writer before it could be refused.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ConfigError(
             [f"{path}: file not found (set {INVENTORY_ENV} to an inventory file)"]
-        ) from None
-    except IsADirectoryError:
-        raise ConfigError(
-            [f"{path}: is a directory; set {INVENTORY_ENV} to an inventory file in it"]
         ) from None
     except OSError as error:
         raise ConfigError(
             [f"{path}: cannot be read ({error.strerror or error}); fix its permissions or path"]
         ) from None
+    mode = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(descriptor)
+        if stat.S_ISDIR(mode):
+            raise ConfigError(
+                [f"{path}: is a directory; set {INVENTORY_ENV} to an inventory file in it"]
+            )
+        raise ConfigError([f"{path}: is not a regular file; name a YAML file"])
+    with os.fdopen(descriptor, "rb") as stream:
+        try:
+            raw = stream.read(limit + 1)
+        except OSError as error:
+            raise ConfigError(
+                [f"{path}: cannot be read ({error.strerror or error}); fix the file"]
+            ) from None
+    if len(raw) > limit:
+        raise ConfigError(
+            [
+                f"{path}: larger than {limit // 1024} KiB, the most llamarig reads of a YAML "
+                "file; is it the right file? (an inventory is a few KiB)"
+            ]
+        )
+    return raw
+
+
+def load_yaml(path: Path, limit: int = MAX_FILE_BYTES) -> Any:
+    """Parse a YAML file of at most ``limit`` bytes; every way it can fail becomes a
+    ConfigError naming the file (and the line and column where YAML knows them)."""
+    raw = _read_capped(path, limit)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -137,8 +168,8 @@ def shape_problem(document: Any) -> str | None:
         dotted = ".".join(str(part) for part in key_path[:MAX_DEPTH]) or "the top level"
         if count > MAX_VALUES:
             return (
-                f"{dotted}: the document expands to more than {MAX_VALUES} values (anchors "
-                "and aliases nested in each other); write the settings out plainly"
+                f"{dotted}: the document holds or expands to more than {MAX_VALUES} values; "
+                "an inventory needs a few hundred (write aliases out plainly)"
             )
         if not isinstance(value, dict | list):
             continue

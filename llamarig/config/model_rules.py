@@ -7,8 +7,8 @@ from __future__ import annotations
 from llamarig.config.derived import model_filename, model_source_name
 from llamarig.config.problems import Problem
 from llamarig.hubref import KEYS as HF_KEYS
-from llamarig.hubref import HubError, validated
-from llamarig.shards import shard_names, split_parts
+from llamarig.hubref import HubError, read_token, validated
+from llamarig.shards import numbering_problem, shard_names, split_parts
 
 SOURCES = ("url", "path", "hf")
 
@@ -72,6 +72,8 @@ def _reference_problems(model: dict) -> list[Problem]:
         ]
     try:
         validated({key: model[key] for key in HF_KEYS if model[key] is not None})
+        if model["token_file"]:
+            read_token(model["token_file"])  # here, before any host or Hub is contacted
     except HubError as error:
         return [Problem(error.key_path, error.message)]
     return []
@@ -84,6 +86,11 @@ def _split_problems(model: dict) -> list[Problem]:
     key = next(key for key in ("url", "path", "file") if model[key]) if name else "quant"
     parts = split_parts(name) if name else None
     sha256 = model["sha256"]
+    misnumbered = numbering_problem(name) if name else None
+    if misnumbered:
+        return [Problem(("model", key), misnumbered)]
+    if parts is not None and parts[2] == 1:
+        parts = None  # a set of one shard is one file, named as gguf-split names it
     if parts is None:
         if isinstance(sha256, list) and name:
             return [

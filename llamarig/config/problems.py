@@ -37,6 +37,10 @@ def origin_of(host_config: HostConfig, key_path: tuple, in_inventory: bool = Fal
     the inventory, for what only it can fix (a missing setting, hosts that collide)."""
     if in_inventory:
         return host_config.origins.get((), "?")
+    if key_path[:1] == ("model",) and len(key_path) > 1:
+        # The defaults' model keys are empty placeholders, not defaults: whatever is wrong with
+        # a model is fixed where the user wrote `model:`.
+        key_path = key_path[:1]
     for length in range(len(key_path), -1, -1):
         origin = host_config.origins.get(tuple(key_path[:length]))
         if origin:

@@ -129,6 +129,16 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         wrong = f"{shown(error.instance)} is out of range (below {error.validator_value})"
     elif error.validator in ("maximum", "exclusiveMaximum"):
         wrong = f"{shown(error.instance)} is out of range (above {error.validator_value})"
+    elif (
+        error.validator in ("minLength", "minItems")
+        and error.validator_value > 1
+        and (len(error.instance) > 0)
+    ):
+        noun = "characters" if error.validator == "minLength" else "items"
+        wrong = (
+            f"{shown(error.instance)} has {len(error.instance)}, fewer than "
+            f"{error.validator_value} {noun}"
+        )
     elif error.validator in ("minLength", "minItems"):
         wrong = f"{shown(error.instance)} is empty"
     else:
