@@ -18,6 +18,7 @@ from llamarig import answers, render
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
 from llamarig.config.problems import Problem, located
 from llamarig.entry import host_entry, inventory_document, probe, render_entry
+from llamarig.facts import PROBE_CONNECT_S
 from llamarig.gguf_header import GgufError
 from llamarig.hubref import HubError
 from llamarig.model_lock import resolved
@@ -68,6 +69,10 @@ def _plan(args: argparse.Namespace) -> int:
     return 0 if all(p.fits for p in plans.values()) else 1
 
 
+# The most a completion of MAX_COMPLETION_TOKENS may take on a slow rig; a hung server fails.
+COMPLETE_TIMEOUT_S = 600
+
+
 def _complete(args: argparse.Namespace) -> int:
     hosts = _chosen_hosts(args)
     if hosts is None:
@@ -78,12 +83,17 @@ def _complete(args: argparse.Namespace) -> int:
         path, body = answers.greedy_request(args.prompt, args.chat, args.tokens)
         url = shlex.quote(render.base_url(data) + path)
         curl = (
-            f"curl -sS -f {render.CURL_AUTH} -H 'Content-Type: application/json' "
+            f"curl -sS -f --connect-timeout {PROBE_CONNECT_S} --max-time {COMPLETE_TIMEOUT_S} "
+            f"{render.CURL_AUTH} -H 'Content-Type: application/json' "
             f"-d {shlex.quote(json.dumps(body))} -- {url}"
         )
-        result = run_on_host(data, curl, timeout=None)
+        result = run_on_host(data, curl, timeout=COMPLETE_TIMEOUT_S + 60)
         if result.returncode != 0:
-            print(f"{name}: completion failed: {result.stderr.strip()}", file=sys.stderr)
+            print(
+                f"{name}: completion at {render.base_url(data)}{path} failed (bounded at "
+                f"{COMPLETE_TIMEOUT_S} s): {result.stderr.strip()}",
+                file=sys.stderr,
+            )
             status = 1
             continue
         reply = json.loads(result.stdout)

@@ -192,37 +192,57 @@ class FileIdentity(FactBase):
         return line or None
 
 
+# Every request a probe sends is bounded: a hung server fails the check instead of the run.
+PROBE_CONNECT_S = 5
+PROBE_MAX_S = 15
+
+
 class ServerProbe(FactBase):
-    """Health and one short completion of a running llama-server, from the host itself.
+    """Health, the slots' state and, only when a slot is idle, one short completion of a
+    running llama-server, from the host itself. Each request is bounded (PROBE_CONNECT_S to
+    connect, PROBE_MAX_S in all), and the completion is not sent while every slot serves a user
+    (it would wait behind them): ``completion_ok`` is then None.
 
     .. code:: python
 
-        {"health": 200, "completion_ok": True, "tokens_per_second": 812.4}
+        {"health": 200, "slots": 2, "busy": 0, "completion_ok": True, "tokens_per_second": 812.4}
     """
 
     def command(self, base_url: str) -> str:
         body = shlex.quote('{"prompt": "Hello", "n_predict": 4, "temperature": 0}')
-        health, completion = (
-            shlex.quote(f"{base_url}/health"),
-            shlex.quote(f"{base_url}/completion"),
+        health, slots, completion = (
+            shlex.quote(f"{base_url}/{path}") for path in ("health", "slots", "completion")
         )
+        curl = f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {PROBE_MAX_S}"
+        # Counted, not printed: a slot's state holds users' prompts. Inside JSON strings a quote
+        # is escaped, so a prompt cannot fake the pattern.
         return (
-            f"curl -s -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
-            f"curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
-            f"-- {completion} || true"
+            f"{curl} -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
+            f"slots=$({curl} -f {CURL_AUTH} -- {slots}) || slots=; "
+            'total=$(printf %s "$slots" | grep -o \'"is_processing":[a-z]*\' | wc -l); '
+            'busy=$(printf %s "$slots" | grep -o \'"is_processing":true\' | wc -l); '
+            'echo "slots $total $busy"; '
+            'if [ "$total" -gt 0 ] && [ "$busy" -ge "$total" ]; then echo busy; else '
+            f"{curl} -f {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
+            f"-- {completion} || true; fi"
         )
 
     def process(self, output):
         lines = list(output)
         health = int(lines[0]) if lines and lines[0].strip().isdigit() else 0
+        counts = lines[1].split() if len(lines) > 1 else []
+        total, busy = (int(n) for n in counts[1:3]) if len(counts) == 3 else (0, 0)
+        rest = "\n".join(lines[2:])
         try:
-            answer = json.loads("\n".join(lines[1:])) if len(lines) > 1 else None
+            answer = json.loads(rest) if rest and rest != "busy" else None
         except json.JSONDecodeError:
             answer = None
-        completion_ok = isinstance(answer, dict) and "content" in answer
+        completion_ok = None if rest == "busy" else isinstance(answer, dict) and "content" in answer
         timings = (answer or {}).get("timings", {}) if completion_ok else {}
         return {
             "health": health,
+            "slots": total,
+            "busy": busy,
             "completion_ok": completion_ok,
             "tokens_per_second": timings.get("predicted_per_second"),
         }

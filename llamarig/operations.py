@@ -31,6 +31,8 @@ from llamarig.answers import check_command as answer_check_command
 from llamarig.answers import parse_output as parse_answer_output
 from llamarig.facts import (
     APT_UPDATE_STAMP,
+    PROBE_CONNECT_S,
+    PROBE_MAX_S,
     AptListsAge,
     BuildDirectories,
     FileState,
@@ -646,57 +648,40 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
                 return False
             against_record = pace.slowdown(speed, last, max_slowdown)
             if against_record:
-                # The record may come from a quieter moment of the host: the last version is
-                # measured again now, so the verdict rests on speeds measured side by side.
+                # The record may come from a quieter moment of the host: the two versions are
+                # measured in turns now, so the verdict rests on speeds measured side by side.
                 host.log(
-                    f"llamarig: the new version {against_record}; "
-                    "measuring the last version that served again, side by side"
+                    f"llamarig: the new version {against_record}; measuring the last version "
+                    f"that served again, side by side, in turns with the new one (up to "
+                    f"{pace.ROUNDS} looks at each)"
                 )
                 stash = _keep_version(unit, env_file, current, candidate) + " || exit 1\n"
-                if not logged(
-                    host,
-                    stash + _roll_back(service, unit, env_file, current, last_good, final=False),
-                ):
+                if not logged(host, stash):
                     return False
-                then = measure(host)
-                if then is None:
+                looks = pace.SideBySide(max_slowdown, new=[speed])
+                while not looks.done():
+                    for version, speeds in ((last_good, looks.last), (candidate, looks.new)):
+                        switch = _switch_to(service, unit, env_file, current, version)
+                        if not logged(host, switch + f"\nserving || {{\n{roll_back}\n}}\n"):
+                            return False
+                        speeds.append(measure(host))
+                        if speeds[-1] is None:
+                            logged(host, roll_back)
+                            return False
+                    host.log(
+                        f"llamarig: look {len(looks.last)}: the last version decodes at "
+                        f"{looks.last[-1]:.1f} tokens/s, the new one at {looks.new[-1]:.1f}"
+                    )
+                if looks.refused():
+                    host.log_styled(
+                        f"llamarig: the new version of {service} {looks.verdict(last)}",
+                        fg="red",
+                        log_func=logger.error,
+                    )
+                    logged(host, roll_back)
                     return False
-                slower = pace.slowdown_side_by_side(speed, then, last, max_slowdown)
-                if slower:
-                    # A busy spell of the host can outlast the new version's runs (on a 2-core
-                    # machine all six decoded 14% slower, the last version's right after did
-                    # not): the new version gets a second look, after the last version's.
-                    host.log(
-                        f"llamarig: the new version {slower}; measuring it once more, after "
-                        "the last version"
-                    )
-                else:
-                    host.log(
-                        f"llamarig: the last version decodes at {then:.1f} tokens/s now: the "
-                        f"new version's {speed:.1f} is within server.max_slowdown, it goes back "
-                        "in place"
-                    )
-                forward = _switch_to(service, unit, env_file, current, candidate)
-                if not logged(host, forward + f"\nserving || {{\n{roll_back}\n}}\n"):
-                    return False
-                if slower:
-                    speed = measure(host, speed)
-                    if speed is None:
-                        return False
-                    slower = pace.slowdown_side_by_side(speed, then, last, max_slowdown)
-                    if slower:
-                        host.log_styled(
-                            f"llamarig: the new version of {service} {slower}",
-                            fg="red",
-                            log_func=logger.error,
-                        )
-                        logged(host, roll_back)
-                        return False
-                    host.log(
-                        f"llamarig: the new version decodes at {speed:.1f} tokens/s on a second "
-                        f"look, within server.max_slowdown of the last version's {then:.1f}: "
-                        "it stays"
-                    )
+                host.log(f"llamarig: the new version {looks.verdict(last)}")
+                speed = max(looks.new)
             host.log(
                 f"llamarig: decodes at {speed:.1f} tokens/s"
                 + (f" (last good {last:.1f})" if last else "")
@@ -745,14 +730,10 @@ systemctl restart -- {q_service}
 """.strip("\n")
 
 
-def _roll_back(
-    service: str, unit: str, env_file: str, current: str, last_good: str, final: bool = True
-) -> str:
+def _roll_back(service: str, unit: str, env_file: str, current: str, last_good: str) -> str:
     """Shell lines (after a ``serving`` function) that put the last version that served back,
-    restart it and say whether it serves. ``final``: they always exit 1 (the run fails);
-    otherwise they exit 1 only when the version put back does not serve."""
+    restart it, say whether it serves and exit 1 (the run fails)."""
     q_good = shlex.quote(last_good)
-    advice = "; fix the rig data and deploy again" if final else ""
     return f"""
 if [ ! -f {q_good}/current ]; then
   echo "llamarig: no earlier version served on this host: nothing to roll back to" >&2
@@ -762,12 +743,12 @@ started=$(date +%s)
 {_switch_to(service, unit, env_file, current, last_good)}
 if serving; then
   echo "llamarig: rolled back: the last version that served ($(cat {q_good}/current)) serves" \\
-    "again after $(( $(date +%s) - started )) s{advice}" >&2
+    "again after $(( $(date +%s) - started )) s; fix the rig data and deploy again" >&2
 else
   printf 'llamarig: the rollback does not serve either: %s\\n' "$why" >&2
   exit 1
 fi
-{"exit 1" if final else ""}
+exit 1
 """.strip("\n")
 
 
@@ -1304,7 +1285,8 @@ def check_unit_active(unit: str, what: str):
 def check_serving(unit: str, base_url: str):
     """
     Fail unless the unit is active, ``/health`` answers 200 and a 4-token completion succeeds
-    (the ``ServerProbe`` fact, from the host itself); changes nothing. Guard it with ``_if=``
+    (the ``ServerProbe`` fact, from the host itself, every request bounded; with every slot
+    busy the completion is not sent and the check passes); changes nothing. Guard it with ``_if=``
     to skip it after a (re)start whose wait checked the same.
 
     + unit: the server's unit, e.g. ``llama-server.service``
@@ -1321,12 +1303,23 @@ def check_serving(unit: str, base_url: str):
     problems = []
     if not active:
         problems.append(f"{unit} is not active (systemctl status {unit})")
-    if probe["health"] != 200:
+    if probe["health"] == 0:
+        problems.append(
+            f"{base_url}/health gave no answer within {PROBE_MAX_S} s (connect "
+            f"{PROBE_CONNECT_S} s): the server is hung or not listening"
+        )
+    elif probe["health"] != 200:
         problems.append(f"{base_url}/health answered {probe['health']}, not 200")
-    if not probe["completion_ok"]:
-        problems.append("a 4-token /completion did not succeed")
+    elif probe["completion_ok"] is False:
+        problems.append(f"a 4-token {base_url}/completion did not succeed within {PROBE_MAX_S} s")
     if problems:
         yield fail_command("; ".join(problems))
+        return
+    if probe["completion_ok"] is None:
+        host.noop(
+            f"{unit} active, /health 200, serving: {probe['busy']} of {probe['slots']} slots "
+            "busy (no probe completion sent, it would wait behind them)"
+        )
         return
     speed = probe["tokens_per_second"]
     host.noop(

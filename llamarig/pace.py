@@ -7,19 +7,25 @@ of RUNS (other work on the host only ever slows a run down, so the best is the l
 kept as `decode-tps` beside the last-good copies of the unit with the model it was measured on:
 another model is not compared (a larger one is meant to be slower). A version that looks slower
 than the record is measured RUNS times more; if it still does, the last version is put back and
-measured again, then the new one once more, so the verdict rests on speeds measured side by
-side, not on a record taken at a quieter moment of the host, nor on one busy spell (on a shared
-2-core machine the same build measured 15% apart, and six runs in a row 14% slow)."""
+the two are measured in turns, side by side (SideBySide), so the verdict rests on speeds
+measured under the same conditions and is refused only where the difference is larger than the
+spread of the looks: on a shared 2-core machine the same build measured 15% apart, six runs in
+a row 14% slow, and up to 20-fold slower while another process was busy."""
 
 from __future__ import annotations
 
 import json
 import shlex
+from dataclasses import dataclass, field
 
 from llamarig.render import CURL_AUTH
 
 DECODE_TOKENS = 200
 RUNS = 3
+# Looks at each version, side by side: at least MIN_ROUNDS before the new one is kept (one
+# look at the last version may be a disturbed one), ROUNDS before it is refused.
+MIN_ROUNDS = 2
+ROUNDS = 4
 PROMPT = "Write a long story about a llama who travels the world."
 SPEED_FILE = "decode-tps"
 
@@ -73,17 +79,87 @@ def slowdown(speed: float, last: float | None, max_slowdown: float) -> str | Non
     )
 
 
-def slowdown_side_by_side(
-    speed: float, then: float, recorded: float | None, max_slowdown: float
-) -> str | None:
-    """Why ``speed`` is refused against the last good version measured again just after it
-    (``then``; ``recorded``: what its record said), or None."""
-    if speed >= then * (1 - max_slowdown):
-        return None
-    measured = f"{then:.1f} tokens/s measured between two looks at it" + (
-        f", {recorded:.1f} recorded" if recorded else ""
-    )
-    return (
-        f"decodes at {speed:.1f} tokens/s, {1 - speed / then:.0%} slower than the last version "
-        f"that served ({measured}; server.max_slowdown is {max_slowdown:.0%})"
-    )
+def spread(speeds: list[float]) -> float:
+    """How far a typical look falls below the best one: 1 - median / best (0 when they agree;
+    load on the host widens it)."""
+    ordered = sorted(speeds)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return 1 - median / ordered[-1]
+
+
+@dataclass
+class SideBySide:
+    """Looks at the new and the last version taken in turns (new, then last and new, ...),
+    each the best of RUNS completions, and the verdict they support.
+
+    Load on the host only slows a look down, and it comes and goes, so a version's best look is
+    its speed and the spread of its looks (``spread``) is what load did to it. After at least
+    MIN_ROUNDS looks at each, the new version is kept as soon as its best reaches the last
+    one's best within ``max_slowdown``. It is refused only after ROUNDS looks at each, when its
+    best is slower than the last one's by more than ``max_slowdown`` plus both spreads: on a
+    quiet host that is max_slowdown and a few percent, while a host busy enough to spread the
+    looks widely refuses nothing (too spread to call it slower: kept, and said so). One look
+    disturbed out of ROUNDS moves neither best nor median."""
+
+    max_slowdown: float
+    new: list[float] = field(default_factory=list)
+    last: list[float] = field(default_factory=list)
+
+    def kept(self) -> bool:
+        return len(self.last) >= MIN_ROUNDS and max(self.new) >= max(self.last) * (
+            1 - self.max_slowdown
+        )
+
+    def done(self) -> bool:
+        return self.kept() or len(self.last) >= ROUNDS
+
+    def refusal_bound(self) -> float:
+        """The share by which the new version's best must fall below the last one's best to
+        be refused: max_slowdown plus the spread of each version's looks."""
+        return self.max_slowdown + spread(self.new) + spread(self.last)
+
+    def refused(self) -> bool:
+        return (
+            len(self.last) >= ROUNDS
+            and not self.kept()
+            and max(self.new) < max(self.last) * (1 - self.refusal_bound())
+        )
+
+    def looks(self) -> str:
+        """How many looks at each, their range and spread."""
+        return (
+            "; ".join(
+                f"{len(speeds)} look{'s' if len(speeds) > 1 else ''} at the {which} version, "
+                f"{min(speeds):.1f}-{max(speeds):.1f} tokens/s, spread {spread(speeds):.0%}"
+                for which, speeds in (("new", self.new), ("last", self.last))
+            )
+            + f"; each look the best of {RUNS} completions"
+        )
+
+    def verdict(self, recorded: float | None) -> str:
+        """The verdict in words, once ``done()``."""
+        best_new, best_last = max(self.new), max(self.last)
+        slower = (
+            f"{1 - best_new / best_last:.0%} slower than the last version's best, {best_last:.1f}"
+        )
+        if self.kept():
+            return (
+                f"decodes at {best_new:.1f} tokens/s at best, within server.max_slowdown of the "
+                f"last version's best, {best_last:.1f}, side by side ({self.looks()}): it stays"
+            )
+        record = f", {recorded:.1f} recorded" if recorded else ""
+        bound = (
+            f"server.max_slowdown {self.max_slowdown:.0%} plus the looks' spread: "
+            f"{self.refusal_bound():.0%}"
+        )
+        if self.refused():
+            return (
+                f"decodes at {best_new:.1f} tokens/s at best, {slower} tokens/s{record}, side by "
+                f"side: more than {bound} ({self.looks()})"
+            )
+        return (
+            f"decodes at {best_new:.1f} tokens/s at best, {slower} tokens/s{record}, side by "
+            f"side: within {bound}, the host too busy to call it slower ({self.looks()}): it "
+            "stays"
+        )

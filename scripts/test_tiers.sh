@@ -4,12 +4,13 @@
 # sandbox scenarios (tests/conftest.py, SCENARIO_LANES) and runs it to the end, the other the
 # unit tests one by one, then the next lane. The sandbox's roots and downloads are prepared
 # beside them from the start (network-bound work: debootstrap, PyPI); a scenario's `up` waits
-# for them. Two workers, not one per CPU: a scenario compiles on every CPU.
+# for them. Two workers, not one per CPU: a scenario compiles on every CPU. Then, in `all`, the
+# scenarios marked `alone`, by themselves.
 set -uo pipefail
 tier=${1:-} bin=${2:-.venv/bin}
 case "$tier" in
   quick) selection=(-m "not heavy") releases=(--release trixie) ;;
-  all) selection=() releases=(--release trixie --release bookworm) ;;
+  all) selection=(-m "not alone") releases=(--release trixie --release bookworm) ;;
   *) echo "usage: $0 quick|all [VENV_BIN]" >&2; exit 2 ;;
 esac
 prepared=""
@@ -24,5 +25,10 @@ status=0
 if [ -n "$prepared" ] && ! wait "$prepared"; then
   echo "llamarig sandbox prepare failed (the scenarios retried it and said why):"
   tail -n 5 "$prepare_log"
+fi
+# The scenarios whose verdicts rest on speeds measured here run last, by themselves: a build
+# in the other lane slows a decode up to 20-fold, more than any slowdown they must tell apart.
+if [ "$tier" = all ]; then
+  "$bin/pytest" -m alone -rs --durations=10 || status=$?
 fi
 exit "$status"

@@ -2,12 +2,18 @@
 
 import base64
 import hashlib
+import http.server
+import json
 import os
 import re
 import subprocess
+import threading
+import time
 
+import pytest
 from pyinfra.api import FactBase
 
+from llamarig import facts
 from llamarig.facts import (
     AptListsAge,
     Batch,
@@ -24,7 +30,7 @@ from llamarig.facts import (
     UnitState,
     parse_one,
 )
-from llamarig.render import BUILD_COMPLETE_MARKER
+from llamarig.render import BUILD_COMPLETE_MARKER, CURL_AUTH
 
 
 def test_nvidia_smi_gpus():
@@ -66,12 +72,85 @@ def test_file_head_decodes_base64():
 
 def test_server_probe():
     answer = '{"content": " hi", "timings": {"predicted_per_second": 812.5}}'
-    assert ServerProbe().process(["200", answer]) == {
+    assert ServerProbe().process(["200", "slots 2 1", answer]) == {
         "health": 200,
+        "slots": 2,
+        "busy": 1,
         "completion_ok": True,
         "tokens_per_second": 812.5,
     }
-    assert ServerProbe().process(["503"])["completion_ok"] is False
+    assert ServerProbe().process(["503", "slots 0 0"])["completion_ok"] is False
+    assert ServerProbe().process(["200", "slots 2 2", "busy"])["completion_ok"] is None
+
+
+HANG_S = 30
+
+
+class _Llama(http.server.BaseHTTPRequestHandler):
+    """A stand-in of llama-server's /health, /slots and /completion: ``busy`` slots of 2 are
+    processing (one holds a prompt that tries to fake the pattern), ``hung`` answers nothing."""
+
+    busy, hung, completions = 0, False, []
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        if _Llama.hung:
+            time.sleep(HANG_S)
+        slots = [
+            {"id": n, "is_processing": n < _Llama.busy, "prompt": '"is_processing":false'}
+            for n in range(2)
+        ]
+        body = json.dumps(slots, separators=(",", ":")) if self.path == "/slots" else '{"ok":1}'
+        self._send(body)
+
+    def do_POST(self):  # noqa: N802
+        _Llama.completions.append(self.path)
+        self._send('{"content":" hi","timings":{"predicted_per_second":99.5}}')
+
+    def _send(self, body: str):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def llama_stand_in():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Llama)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    _Llama.busy, _Llama.hung, _Llama.completions = 0, False, []
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def _probe(base_url: str) -> dict:
+    command = ServerProbe().command(base_url).replace(CURL_AUTH, "")
+    run = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
+    return ServerProbe().process(run.stdout.splitlines())
+
+
+def test_the_probe_completes_only_when_a_slot_is_idle(llama_stand_in):
+    _Llama.busy = 1
+    probe = _probe(llama_stand_in)
+    assert (probe["slots"], probe["busy"], probe["completion_ok"]) == (2, 1, True)
+    assert _Llama.completions == ["/completion"]
+    _Llama.busy = 2  # every slot serves a user: a completion would wait behind them
+    probe = _probe(llama_stand_in)
+    assert (probe["health"], probe["busy"], probe["completion_ok"]) == (200, 2, None)
+    assert _Llama.completions == ["/completion"], "no completion sent while every slot is busy"
+
+
+def test_a_hung_server_fails_the_probe_within_its_bound(llama_stand_in, monkeypatch):
+    monkeypatch.setattr(facts, "PROBE_MAX_S", 1)
+    _Llama.hung = True
+    started = time.monotonic()
+    probe = _probe(llama_stand_in)
+    elapsed = time.monotonic() - started
+    assert probe["health"] == 0 and probe["completion_ok"] is False
+    # Three requests of at most 1 s each, where an unbounded one would wait out the hang.
+    assert elapsed < HANG_S, elapsed
 
 
 def test_missing_commands_runs_in_a_shell_and_lists_the_missing(tmp_path):

@@ -19,8 +19,12 @@ import re
 import secrets
 import shlex
 import subprocess
+import threading
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -130,6 +134,70 @@ def test_noop_converge_sends_few_commands_and_lists_nothing_whole(sandbox_info):
     assert not [command for command in commands if "systemctl show --all" in command], commands
     assert not [command for command in commands if re.search(r"systemctl show [^;|]*\*", command)]
     assert len(commands) <= NOOP_COMMANDS_AT_MOST, "\n".join(commands)
+
+
+@contextmanager
+def every_slot_busy(clients: int = 3) -> Iterator[None]:
+    """``clients`` long completions kept running from the host (one more than the rig's 2
+    slots, so a slot that finishes is taken again at once), ended on the way out."""
+    body = json.dumps(
+        {"prompt": "Tell a long story.", "n_predict": 4000, "ignore_eos": True, "stream": True}
+    )
+    argv = ["curl", "-sN", "--max-time", "600", "-H", "Content-Type: application/json"]
+    argv += ["-d", body, "http://127.0.0.1:8080/completion"]
+    done = threading.Event()
+    running: list[subprocess.Popen] = []
+
+    def keep_clients() -> None:
+        while not done.is_set():
+            running[:] = [client for client in running if client.poll() is None]
+            while len(running) < clients:
+                running.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+            done.wait(0.2)
+
+    feeder = threading.Thread(target=keep_clients, daemon=True)
+    feeder.start()
+    try:
+        yield
+    finally:
+        done.set()
+        feeder.join()
+        for client in running:
+            client.kill()
+            client.wait()
+
+
+def test_a_noop_converge_with_every_slot_busy_sends_no_completion(sandbox_info):
+    converge()
+    with every_slot_busy():
+        for _ in range(60):  # the clients' first tokens
+            slots = json.loads(in_sandbox(sandbox_info, "curl -s http://127.0.0.1:8080/slots"))
+            if all(slot["is_processing"] for slot in slots):
+                break
+            time.sleep(0.5)
+        assert all(slot["is_processing"] for slot in slots), slots
+        result = deploy(INVENTORY, "--json")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    results = json.loads(result.stdout)["results"]
+    assert changed_operations(results) == []
+    assert "serving: 2 of 2 slots busy (no probe completion sent" in output, output[-4000:]
+
+
+def test_a_hung_server_fails_the_converge_naming_the_endpoint(sandbox_info):
+    converge()
+    pid = main_pid(sandbox_info)
+    in_sandbox(sandbox_info, f"kill -STOP {pid}")
+    try:
+        # The subprocess timeout is only a backstop: the probe's own bounds end the run.
+        result = deploy(INVENTORY, timeout=600)
+    finally:
+        in_sandbox(sandbox_info, f"kill -CONT {pid}")
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert "http://127.0.0.1:8080/health gave no answer within 15 s (connect 5 s)" in output
+    assert main_pid(sandbox_info) == pid, "a check restarts nothing"
+    assert changed_operations(converge()) == []
 
 
 def test_server_setting_restarts_without_rebuild(sandbox_info, tmp_path):

@@ -347,7 +347,8 @@ def check_server(data: dict, shims: Shims, scratch: Path) -> None:
     base_url = render.base_url(data)
     curls, _ = shims.calls_of(ServerProbe().command(base_url), "curl")
     assert curls[0][-2:] == ["--", f"{base_url}/health"]
-    assert curls[1][-2:] == ["--", f"{base_url}/completion"]
+    assert curls[1][-2:] == ["--", f"{base_url}/slots"]
+    assert curls[2][-2:] == ["--", f"{base_url}/completion"]
 
     dest = str(scratch) + render.layout(data)["model"]
     Path(dest).parent.mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,9 @@ import shlex
 
 import pytest
 
+from llamarig.answers import REQUEST_TIMEOUT_S
+from llamarig.facts import PROBE_CONNECT_S
+
 
 @pytest.fixture(scope="session")
 def rig() -> dict:
@@ -111,8 +114,10 @@ def api(host, derived, serving_rig):
         if body is not None:
             # One quoted argument: a prompt of `expect.answers` may hold any character.
             payload += f" -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+        # Bounded: a hung server fails its checks instead of hanging `llamarig verify`.
         result = host.run(
-            f"curl -s -o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} "
+            f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {REQUEST_TIMEOUT_S} "
+            f"-o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} "
             f"-- {shlex.quote(base + path)}; "
             "echo; cat /tmp/llamarig-verify.out; rm -f /tmp/llamarig-verify.out"
         )
@@ -126,13 +131,14 @@ def api(host, derived, serving_rig):
 PYTHON_CALL = """
 import json, os, sys, urllib.error, urllib.request
 url, body, auth, header_file = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+timeout = float(sys.argv[5])
 headers = {"Content-Type": "application/json"} if body else {}
 if auth and os.path.exists(header_file):
     name, _, value = open(header_file).read().strip().partition(": ")
     headers[name] = value
 request = urllib.request.Request(url, data=body.encode() or None, headers=headers)
 try:
-    with urllib.request.urlopen(request, timeout=600) as response:
+    with urllib.request.urlopen(request, timeout=timeout) as response:
         code, text = response.status, response.read().decode()
 except urllib.error.HTTPError as error:
     code, text = error.code, error.read().decode()
@@ -158,6 +164,7 @@ def python_api(host, base: str):
                     json.dumps(body) if body is not None else "",
                     "1" if auth else "0",
                     API_KEY_HEADER_PATH,
+                    str(REQUEST_TIMEOUT_S),
                 )
             )
         )
