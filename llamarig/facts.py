@@ -197,6 +197,31 @@ PROBE_CONNECT_S = 5
 PROBE_MAX_S = 15
 
 
+PROBE_CURL = f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {PROBE_MAX_S}"
+
+
+def slot_counts_command(base_url: str) -> str:
+    """Shell lines that set $total and $busy to the server's slots and those processing a
+    request (llama-server's /slots, with the API key where one is set; 0 0 without an answer)
+    and print them as `slots TOTAL BUSY`. Counted, not printed: a slot's state holds users'
+    prompts, and inside JSON strings a quote is escaped, so a prompt cannot fake the pattern."""
+    slots = shlex.quote(f"{base_url}/slots")
+    return (
+        f"slots=$({PROBE_CURL} -f {CURL_AUTH} -- {slots}) || slots=; "
+        'total=$(printf %s "$slots" | grep -o \'"is_processing":[a-z]*\' | wc -l); '
+        'busy=$(printf %s "$slots" | grep -o \'"is_processing":true\' | wc -l); '
+        'echo "slots $total $busy"'
+    )
+
+
+def parse_slot_counts(line: str) -> tuple[int, int]:
+    """(total, busy) from `slot_counts_command`'s line; (0, 0) when it is not one."""
+    words = line.split()
+    if len(words) == 3 and words[0] == "slots" and words[1].isdigit() and words[2].isdigit():
+        return int(words[1]), int(words[2])
+    return 0, 0
+
+
 class ServerProbe(FactBase):
     """Health, the slots' state and, only when a slot is idle, one short completion of a
     running llama-server, from the host itself. Each request is bounded (PROBE_CONNECT_S to
@@ -210,28 +235,21 @@ class ServerProbe(FactBase):
 
     def command(self, base_url: str) -> str:
         body = shlex.quote('{"prompt": "Hello", "n_predict": 4, "temperature": 0}')
-        health, slots, completion = (
-            shlex.quote(f"{base_url}/{path}") for path in ("health", "slots", "completion")
+        health, completion = (
+            shlex.quote(f"{base_url}/{path}") for path in ("health", "completion")
         )
-        curl = f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {PROBE_MAX_S}"
-        # Counted, not printed: a slot's state holds users' prompts. Inside JSON strings a quote
-        # is escaped, so a prompt cannot fake the pattern.
         return (
-            f"{curl} -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
-            f"slots=$({curl} -f {CURL_AUTH} -- {slots}) || slots=; "
-            'total=$(printf %s "$slots" | grep -o \'"is_processing":[a-z]*\' | wc -l); '
-            'busy=$(printf %s "$slots" | grep -o \'"is_processing":true\' | wc -l); '
-            'echo "slots $total $busy"; '
+            f"{PROBE_CURL} -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
+            f"{slot_counts_command(base_url)}; "
             'if [ "$total" -gt 0 ] && [ "$busy" -ge "$total" ]; then echo busy; else '
-            f"{curl} -f {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
+            f"{PROBE_CURL} -f {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
             f"-- {completion} || true; fi"
         )
 
     def process(self, output):
         lines = list(output)
         health = int(lines[0]) if lines and lines[0].strip().isdigit() else 0
-        counts = lines[1].split() if len(lines) > 1 else []
-        total, busy = (int(n) for n in counts[1:3]) if len(counts) == 3 else (0, 0)
+        total, busy = parse_slot_counts(lines[1]) if len(lines) > 1 else (0, 0)
         rest = "\n".join(lines[2:])
         try:
             answer = json.loads(rest) if rest and rest != "busy" else None

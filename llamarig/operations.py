@@ -44,6 +44,8 @@ from llamarig.facts import (
     ServerProbe,
     UnitState,
     known,
+    parse_slot_counts,
+    slot_counts_command,
 )
 from llamarig.hostjob import HostJob, JobCommand
 from llamarig.llama_args import option_name
@@ -532,6 +534,7 @@ def serve_or_roll_back(
     last_good: str,
     answers: list[Answer] | None = None,
     max_slowdown: float | None = None,
+    drain_timeout: int = 0,
     model: str = "",
 ):
     """
@@ -554,6 +557,8 @@ def serve_or_roll_back(
       rolled back; None: not measured
     + model: what the speed is of (the model file and its checksum): speeds of another model
       are not compared, since a larger model is meant to be slower
+    + drain_timeout: before each switch between the versions measured side by side, the most
+      seconds to wait for requests in flight to finish (``drain``)
 
     Only call it when something was (re)started (guard it with ``_if=``): it always runs.
 
@@ -661,6 +666,8 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
                 looks = pace.SideBySide(max_slowdown, new=[speed])
                 while not looks.done():
                     for version, speeds in ((last_good, looks.last), (candidate, looks.new)):
+                        if drain_timeout > 0:
+                            drain(host, base_url, service, drain_timeout)
                         switch = _switch_to(service, unit, env_file, current, version)
                         if not logged(host, switch + f"\nserving || {{\n{roll_back}\n}}\n"):
                             return False
@@ -945,15 +952,76 @@ fi
 """.strip()
 
 
+# How often a drain polls the slots, and how often it says what it waits for.
+DRAIN_POLL_S = 1
+DRAIN_REPORT_S = 10
+
+
+def drain(host, base_url: str, service: str, timeout: int) -> None:
+    """Wait until no slot of the llama-server at ``base_url`` processes a request, at most
+    ``timeout`` seconds, saying what it waits for; llama-server has no graceful stop (SIGTERM
+    ends the requests in flight), so this is the drain. Returns at once when nothing is busy or
+    /slots does not answer (a server that is down or hung has nothing to finish)."""
+    started = time.monotonic()
+    reported = None
+    while True:
+        _, output = host.run_shell_command(StringCommand(slot_counts_command(base_url)))
+        lines = output.stdout_lines
+        total, busy = parse_slot_counts(lines[-1] if lines else "")
+        waited = time.monotonic() - started
+        if busy == 0:
+            if reported is not None:
+                host.log(
+                    f"llamarig: the requests in flight on {service} finished after "
+                    f"{waited:.0f} s: restarting it"
+                )
+            return
+        if waited >= timeout:
+            host.log_styled(
+                f"llamarig: {busy} of {total} slots of {service} still busy after {timeout} s "
+                f"(server.drain_timeout): restarting it anyway, cutting {busy} request(s)",
+                fg="yellow",
+                log_func=logger.warning,
+            )
+            return
+        if reported is None or waited - reported >= DRAIN_REPORT_S:
+            host.log(
+                f"llamarig: waiting for {busy} of {total} slots of {service} to finish their "
+                f"requests before restarting it ({timeout - waited:.0f} s left of "
+                "server.drain_timeout)"
+            )
+            reported = waited
+        time.sleep(DRAIN_POLL_S)
+
+
 @operation(is_idempotent=False)
-def restart_service(service: str):
+def restart_service(service: str, drain_url: str | None = None, drain_timeout: int = 0):
     """
     Restart a systemd service on purpose: its start rate limit (meant for crash loops) is
     reset first, so a run of deliberate deploys is never refused with "start request repeated
     too quickly". Guard it with ``_if=``: it always restarts.
 
     + service: unit name, e.g. ``llama-server.service``
+    + drain_url, drain_timeout: a llama-server's base URL and the most seconds to wait for
+      its requests in flight to finish before the restart (``drain``); none: no wait
+
+    **Example:**
+
+    .. code:: python
+
+        restart_service(
+            service="llama-server.service",
+            drain_url="http://127.0.0.1:8080",
+            drain_timeout=120,
+        )
     """
+    if drain_url and drain_timeout > 0:
+
+        def drained(state, host) -> bool:
+            drain(host, drain_url, service, drain_timeout)
+            return True
+
+        yield FunctionCommand(drained, (), {})
     quoted = shlex.quote(service)
     yield f"systemctl reset-failed -- {quoted} 2>/dev/null || true; systemctl restart -- {quoted}"
 

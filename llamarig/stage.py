@@ -150,14 +150,21 @@ def is_local() -> bool:
 
 
 def service_running(
-    service: str, out_of_date: Callable[[], bool], why: str
+    service: str,
+    out_of_date: Callable[[], bool],
+    why: str,
+    drain_url: str | None = None,
+    drain_timeout: int = 0,
 ) -> tuple[OperationMeta, OperationMeta]:
     """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
-    inputs) unless this run just started it; returns the start and the restart."""
+    inputs) unless this run just started it, after the requests in flight at ``drain_url``
+    finished (at most ``drain_timeout`` seconds); returns the start and the restart."""
     started = operations.unit_running(name=f"{service} enabled and running", unit=service)
     restarted = operations.restart_service(
         name=f"Restart {service} ({why})",
         service=service,
+        drain_url=drain_url,
+        drain_timeout=drain_timeout,
         _if=lambda: out_of_date() and not started.did_change(),
     )
     return started, restarted

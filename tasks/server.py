@@ -127,7 +127,11 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
             commands=[f"systemctl reset-failed -- {shlex.quote(service)} 2>/dev/null || true"],
         )
     started, restarted = stage.service_running(
-        service, out_of_date, "unit, environment, build or model changed, or out of date"
+        service,
+        out_of_date,
+        "unit, environment, build or model changed, or out of date",
+        drain_url=render.base_url(rig),
+        drain_timeout=server["drain_timeout"],
     )
     operations.serve_or_roll_back(
         name=f"Wait until {service} serves (else roll back to the last version that served)",
@@ -140,6 +144,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         last_good=paths["last_good"],
         answers=answers.answers(rig),
         max_slowdown=server["max_slowdown"],
+        drain_timeout=server["drain_timeout"],
         model=f"{paths['model']} {rig['model']['sha256']}",
         _if=any_changed(started, restarted),
     )

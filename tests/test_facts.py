@@ -143,7 +143,7 @@ def test_the_probe_completes_only_when_a_slot_is_idle(llama_stand_in):
 
 
 def test_a_hung_server_fails_the_probe_within_its_bound(llama_stand_in, monkeypatch):
-    monkeypatch.setattr(facts, "PROBE_MAX_S", 1)
+    monkeypatch.setattr(facts, "PROBE_CURL", "curl -s --connect-timeout 1 --max-time 1")
     _Llama.hung = True
     started = time.monotonic()
     probe = _probe(llama_stand_in)

@@ -176,7 +176,7 @@ def test_a_noop_converge_with_every_slot_busy_sends_no_completion(sandbox_info):
                 break
             time.sleep(0.5)
         assert all(slot["is_processing"] for slot in slots), slots
-        result = deploy(INVENTORY, "--json")
+        result = deploy(INVENTORY, "--json", "-v")  # -v: pyinfra prints what a no-op found
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     results = json.loads(result.stdout)["results"]
@@ -198,6 +198,79 @@ def test_a_hung_server_fails_the_converge_naming_the_endpoint(sandbox_info):
     assert "http://127.0.0.1:8080/health gave no answer within 15 s (connect 5 s)" in output
     assert main_pid(sandbox_info) == pid, "a check restarts nothing"
     assert changed_operations(converge()) == []
+
+
+def streaming_chats(count: int, tokens: int) -> list[subprocess.Popen]:
+    """``count`` streaming chat completions of ``tokens`` tokens each, from the host."""
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Tell a long story about a llama."}],
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
+    argv = ["curl", "-sN", "--max-time", "600", "-w", "\nHTTP %{http_code}\n"]
+    argv += ["-H", "Content-Type: application/json", "-d", body]
+    argv += ["http://127.0.0.1:8080/v1/chat/completions"]
+    return [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+
+
+def stream_ending(client: subprocess.Popen) -> tuple[str, str | None, bool]:
+    """(HTTP status, the last finish_reason, whether the stream ended with [DONE])."""
+    output, _ = client.communicate(timeout=600)
+    status = output.rsplit("HTTP ", 1)[-1].strip()
+    reasons = [
+        json.loads(line[len("data: ") :])["choices"][0].get("finish_reason")
+        for line in output.splitlines()
+        if line.startswith("data: {")
+    ]
+    return status, next((r for r in reversed(reasons) if r), None), "data: [DONE]" in output
+
+
+def slots_busy(info) -> int:
+    slots = json.loads(in_sandbox(info, "curl -s http://127.0.0.1:8080/slots"))
+    return sum(1 for slot in slots if slot["is_processing"])
+
+
+def test_a_restart_waits_for_the_requests_in_flight(sandbox_info, tmp_path):
+    converge()
+    # 3 waves of 2 (the rig's slots): the deploy reaches its restart well within them.
+    clients = streaming_chats(6, tokens=900)
+    for _ in range(120):  # until the first two hold both slots
+        if slots_busy(sandbox_info) == 2:
+            break
+        time.sleep(0.25)
+    changed = variant(tmp_path, server={"ctx": 4096})
+    result = deploy(changed)
+    endings = [stream_ending(client) for client in clients]
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert re.search(r"waiting for 2 of 2 slots of llama-server.service to finish", output), output
+    assert re.search(r"the requests in flight on llama-server.service finished after \d+ s", output)
+    assert endings == [("200", "length", True)] * 6, endings
+    assert changed_operations(sandboxes.converge(changed)) == []
+
+
+def test_a_drain_bound_restarts_anyway_and_says_what_it_cut(sandbox_info, tmp_path):
+    converge()
+    clients = streaming_chats(4, tokens=1000)
+    for _ in range(120):
+        if slots_busy(sandbox_info) == 2:
+            break
+        time.sleep(0.25)
+    result = deploy(variant(tmp_path, server={"ctx": 4096, "drain_timeout": 2}))
+    endings = [stream_ending(client) for client in clients]
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    cut = re.search(
+        r"(\d) of 2 slots of llama-server.service still busy after 2 s \(server.drain_timeout\): "
+        r"restarting it anyway, cutting (\d) request\(s\)",
+        output,
+    )
+    assert cut, output[-4000:]
+    # Those on a slot are counted; one still queued for a slot is cut too.
+    assert sum(1 for _, _, done in endings if not done) >= int(cut[2]) >= 1, endings
 
 
 def test_server_setting_restarts_without_rebuild(sandbox_info, tmp_path):
