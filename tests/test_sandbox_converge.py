@@ -241,7 +241,8 @@ def test_a_restart_waits_for_the_requests_in_flight(sandbox_info, tmp_path):
         if slots_busy(sandbox_info) == 2:
             break
         time.sleep(0.25)
-    changed = variant(tmp_path, server={"ctx": 4096})
+    # A bound no machine's load reaches: this test is about waiting, the next about the bound.
+    changed = variant(tmp_path, server={"ctx": 4096, "drain_timeout": 900})
     result = deploy(changed)
     endings = [stream_ending(client) for client in clients]
     output = result.stdout + result.stderr
@@ -459,15 +460,25 @@ def test_api_key_protects_a_network_listener_and_stays_secret(sandbox_info, tmp_
     assert result.returncode == 0, result.stdout[-4000:]
     assert "test_api_key_is_required_when_set[ssh://llamarig-sandbox] PASSED" in result.stdout
 
-    # Back on loopback without a key: the key files go.
-    converge()
+    # Back on loopback without a key: the key files go, but only once the version without
+    # the key serves. With the record inflated, the slowdown check starts the last version (with
+    # the key, loaded as a credential) again side by side: it must still find the key.
+    record = f"/var/lib/llamarig/last-good/{SERVICE}/decode-tps"
+    in_sandbox(sandbox_info, f"sed -i '1s/.*/99999.0/' {record}")
+    result = deploy(INVENTORY, "-v")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    assert "measuring the last version that served again, side by side" in output
+    assert key not in output
     assert in_sandbox(sandbox_info, "ls /etc/llamarig") == "llama-server.env"
     assert status("/completion", prompt, None) == 200
 
 
 # --- reliability: hardening, rollback, interrupted runs (issue 6) ----------------------------
 
-EXPOSURE_LIMIT = 2.0
+# 1.4 measured with the block of files/unit-hardening.j2 (2026-12-03), on the sandbox and on an
+# H200 (bench/RESULTS.md); 1.7 before issue 27.
+EXPOSURE_LIMIT = 1.5
 UNIT_PATH = f"/etc/systemd/system/{SERVICE}.service"
 
 
