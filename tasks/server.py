@@ -30,16 +30,20 @@ def deploy(restart_on: list[OperationMeta]) -> list[OperationMeta]:
         serving = _launcher_only(rig, inputs)
     else:
         serving = _systemd_service(rig, inputs)
+    if not rig["server"]["api_key_file"]:
+        # Only once the version without a key serves: until then the last version that served,
+        # which a rollback or the slowdown check starts again, may need the key (its unit loads
+        # it as a credential, and the deploy's checks send its header).
+        for path in (render.API_KEY_PATH, render.API_KEY_HEADER_PATH):
+            operations.absent(name=f"No API key file {path}", path=path)
     stage.prune_builds(rig)
     return serving
 
 
 def _api_key(rig: dict) -> list[OperationMeta]:
-    """The key file (returned: a new key must restart the server), and the curl header the
-    deploy's own checks send; or neither file when the rig has no key."""
+    """The key file (returned: a new key must restart the server) and the curl header the
+    deploy's own checks send, when the rig has a key."""
     if not rig["server"]["api_key_file"]:
-        for path in (render.API_KEY_PATH, render.API_KEY_HEADER_PATH):
-            operations.absent(name=f"No API key file {path}", path=path)
         return []
     api_key = operations.secret_file(
         name="API key (root only; the service reads it as a credential)",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import urllib.request
 from pathlib import Path
 
@@ -109,7 +110,8 @@ def test_a_gated_hf_reference_deploys_with_the_token_only_in_a_root_only_file(
 ):
     inventory = hf_inventory(workdir, hub, realmodel.NAME)
     hub.stand_in.requests.clear()
-    result = sandboxes.deploy(inventory, "--json")
+    # --diff and --debug: pyinfra shows a new file's content and every command it runs.
+    result = sandboxes.deploy(inventory, "--json", "--diff", "--debug")
     assert result.returncode == 0, result.stderr[-6000:]
     assert TOKEN not in result.stdout + result.stderr
     assert server_model_argument(sandbox_info) == f"{MODELS}/{realmodel.NAME}"
@@ -141,6 +143,32 @@ def test_a_second_converge_of_the_reference_changes_nothing(sandbox_info, hub, w
     assert results["totals"]["success"] == 0, changed_operations(results)
     # planned from models.lock.yml: the Hub's API was not asked again
     assert not [r for r in hub.stand_in.requests if r.path.startswith("/api/")]
+
+
+def world_readable_files_holding(info, *secrets: str) -> str:
+    """The world-readable files of the sandbox's root that hold any of ``secrets``."""
+    patterns = " ".join(f"-e {shlex.quote(secret)}" for secret in secrets)
+    return in_sandbox(
+        info,
+        "find / -xdev -type f -perm -o=r -size -64M -print0 "
+        f"| xargs -0 grep -l -F {patterns} 2>/dev/null || true",
+    )
+
+
+def test_a_changed_token_reaches_the_host_and_no_output(sandbox_info, hub, workdir):
+    rotated = "hf_standin_token_rotated_7d3e5a"
+    token_file = workdir / "token"
+    token_file.write_text(rotated + "\n")
+    try:
+        result = sandboxes.deploy(hf_inventory(workdir, hub, realmodel.NAME), "--diff", "--debug")
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, output[-4000:]
+        assert TOKEN not in output and rotated not in output
+        header = "/etc/llamarig/hub/authorization-header"
+        assert in_sandbox(sandbox_info, f"grep -c -F {rotated} {header}") == "1"
+        assert world_readable_files_holding(sandbox_info, TOKEN, rotated) == ""
+    finally:
+        token_file.write_text(TOKEN + "\n")
 
 
 def test_a_split_model_brings_its_three_shards_and_serves_from_the_first(

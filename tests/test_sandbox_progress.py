@@ -78,12 +78,13 @@ def test_a_plain_deploy_shows_build_and_download_progress(sandbox_info, tmp_path
     steps = [(int(done), int(total)) for done, total, _ in BUILD_LINE.findall(output)]
     assert re.search(r"\[sandbox\] build: configuring, \d+s elapsed", output), output[-6000:]
     built = re.search(r"\[sandbox\] build: built in (\w+) \((\d+) steps\)", output)
-    assert built and steps and int(built.group(2)) == steps[0][1], output[-6000:]
+    assert built, output[-6000:]
+    # Each step line counts towards the total the build reports at its end.
+    assert all(total == int(built.group(2)) for _, total in steps), output[-6000:]
     # A line every 3 s (the configure line, then ninja's steps) however long the build took:
-    # from a warm ccache, 4 to 10 s here.
+    # from a warm ccache, 3 to 10 s here (in 3 s, the configure line alone is due).
     assert 1 + len(steps) >= seconds(built.group(1)) // 3, output[-6000:]
     assert [done for done, _ in steps] == sorted(done for done, _ in steps)
-    assert len({total for _, total in steps}) == 1
 
     downloads = DOWNLOAD_LINE.findall(output)
     assert len(downloads) >= 3, output[-6000:]
