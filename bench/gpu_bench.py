@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import yaml
@@ -378,6 +378,30 @@ def vocab_file() -> Path:
 def write_model(name: str) -> float:
     command = [sys.executable, "bench/models.py", str(MODELS), str(vocab_file()), name]
     return round(run(command, "models.log"), 1)
+
+
+def write_model_beside(name: str, path: Path) -> Callable[[], float]:
+    """Start writing model ``name`` (unless ``path`` exists) on a thread, beside other work;
+    returns a function that waits for it and gives its seconds (0 when the file existed), or
+    raises RuntimeError with why it failed."""
+    outcome: dict = {}
+
+    def write() -> None:
+        try:
+            outcome["seconds"] = write_model(name) if not path.exists() else 0
+        except Exception as error:  # noqa: BLE001 - reported by the waiter
+            outcome["error"] = str(error)
+
+    thread = threading.Thread(target=write)
+    thread.start()
+
+    def written() -> float:
+        thread.join()
+        if "error" in outcome:
+            raise RuntimeError(f"writing the model failed: {outcome['error']}")
+        return outcome["seconds"]
+
+    return written
 
 
 def rig_files() -> dict[str, Path]:

@@ -25,7 +25,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -308,16 +307,7 @@ def main() -> int:
     LOGS.mkdir(parents=True, exist_ok=True)
     results["machine"] = box.machine_facts()
     save()
-    written: dict = {}
-
-    def write_model() -> None:
-        try:
-            written["seconds"] = bench.write_model("llama-8b") if not MODEL.exists() else 0
-        except Exception as error:  # noqa: BLE001 - reported after the join
-            written["error"] = str(error)
-
-    model_thread = threading.Thread(target=write_model)
-    model_thread.start()
+    model_written = bench.write_model_beside("llama-8b", MODEL)
     start = time.monotonic()
     results["root"] = prepare_root()
     results["root"]["boot_seconds"] = box.boot()
@@ -334,10 +324,7 @@ def main() -> int:
     results["build"] = build(data)
     save()
     log(f"built in {results['build']['seconds']} s")
-    model_thread.join()
-    if "error" in written:
-        raise RuntimeError(f"writing the model failed: {written['error']}")
-    results["model"] = {"path": str(MODEL), "write_seconds": written["seconds"]}
+    results["model"] = {"path": str(MODEL), "write_seconds": model_written()}
     base = render.base_url(data)
 
     baseline = run_variant(data, base, "baseline", [])

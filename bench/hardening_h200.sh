@@ -10,15 +10,8 @@
 # (gguf and jsonschema with its needs, for Python 3.12; the machine has the rest).
 # Results go to $BENCH_OUT (default /srv/llamarig/out-hardening): results.json and logs/.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
-export OUT=${BENCH_OUT:-/srv/llamarig/out-hardening}
-mkdir -p /srv/llamarig/models "$OUT"
+DEFAULT_OUT=/srv/llamarig/out-hardening
+source "$(dirname "$0")/device-setup.sh"
+# The unit runs as a dynamic user, which must reach the binary and the model.
 chmod 755 /srv /srv/llamarig /srv/llamarig/models
-rm -f "$OUT/EXIT"
-trap 'echo $? > "$OUT/EXIT"' EXIT
-[ -d /srv/llamarig/llama.cpp.git ] || cp -a .carry/llama.cpp.git /srv/llamarig/llama.cpp.git
 python3 bench/hardening_h200.py

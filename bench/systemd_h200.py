@@ -403,16 +403,7 @@ def prepare() -> dict:
         API_KEY_FILE.chmod(0o600)
     api_key_rig = {"server": {"api_key_file": str(API_KEY_FILE)}}
     bench.derived_inventory(SHIPPED_RIG, HOST_NAME, api_key_rig)  # writes RIG
-    writer: dict = {}
-
-    def write_model() -> None:
-        try:
-            writer["seconds"] = bench.write_model("llama-8b") if not MODEL.exists() else 0
-        except Exception as error:  # noqa: BLE001 - reported after the join
-            writer["error"] = str(error)
-
-    model_thread = threading.Thread(target=write_model)
-    model_thread.start()
+    model_written = bench.write_model_beside("llama-8b", MODEL)
     start = time.monotonic()
     if not (ROOT_DIR / "lib/systemd/systemd").exists():
         timings["root"] = unpack_root()
@@ -422,10 +413,7 @@ def prepare() -> dict:
     timings["boot_seconds"] = boot()
     data = bench.host_data(RIG)
     timings["ssh_seconds"] = wait_for_ssh(data)
-    model_thread.join()
-    if "error" in writer:
-        raise RuntimeError(f"writing the model failed: {writer['error']}")
-    timings["model_write_seconds"] = writer["seconds"]
+    timings["model_write_seconds"] = model_written()
     container = {
         "systemd": in_container("systemctl --version | head -1").stdout.strip(),
         "state": in_container("systemctl is-system-running", check_rc=False).stdout.strip(),

@@ -10,14 +10,6 @@
 # (pyinfra, testinfra, gguf, jsonschema, paramiko and their wheels for Python 3.12).
 # Results go to $BENCH_OUT (default /srv/llamarig/out-systemd): results.json and logs/.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:$PWD
-export OUT=${BENCH_OUT:-/srv/llamarig/out-systemd}
-mkdir -p /srv/llamarig/models "$OUT"
-rm -f "$OUT/EXIT"
-trap 'echo $? > "$OUT/EXIT"' EXIT
-[ -d /srv/llamarig/llama.cpp.git ] || cp -a .carry/llama.cpp.git /srv/llamarig/llama.cpp.git
+DEFAULT_OUT=/srv/llamarig/out-systemd
+source "$(dirname "$0")/device-setup.sh"
 python3 bench/systemd_h200.py

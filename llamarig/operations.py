@@ -666,15 +666,15 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
                 looks = pace.SideBySide(max_slowdown, new=[speed])
                 while not looks.done():
                     for version, speeds in ((last_good, looks.last), (candidate, looks.new)):
-                        if drain_timeout > 0:
-                            drain(host, base_url, service, drain_timeout)
+                        drain(host, base_url, service, drain_timeout)
                         switch = _switch_to(service, unit, env_file, current, version)
                         if not logged(host, switch + f"\nserving || {{\n{roll_back}\n}}\n"):
                             return False
-                        speeds.append(measure(host))
-                        if speeds[-1] is None:
+                        look = measure(host)
+                        if look is None:
                             logged(host, roll_back)
                             return False
+                        speeds.append(look)
                     host.log(
                         f"llamarig: look {len(looks.last)}: the last version decodes at "
                         f"{looks.last[-1]:.1f} tokens/s, the new one at {looks.new[-1]:.1f}"
@@ -960,8 +960,11 @@ DRAIN_REPORT_S = 10
 def drain(host, base_url: str, service: str, timeout: int) -> None:
     """Wait until no slot of the llama-server at ``base_url`` processes a request, at most
     ``timeout`` seconds, saying what it waits for; llama-server has no graceful stop (SIGTERM
-    ends the requests in flight), so this is the drain. Returns at once when nothing is busy or
-    /slots does not answer (a server that is down or hung has nothing to finish)."""
+    ends the requests in flight), so this is the drain. Returns at once when ``timeout`` is 0
+    (server.drain_timeout: do not wait), when nothing is busy or when /slots does not answer (a
+    server that is down or hung has nothing to finish)."""
+    if timeout <= 0:
+        return
     started = time.monotonic()
     reported = None
     while True:
@@ -1015,7 +1018,7 @@ def restart_service(service: str, drain_url: str | None = None, drain_timeout: i
             drain_timeout=120,
         )
     """
-    if drain_url and drain_timeout > 0:
+    if drain_url:
 
         def drained(state, host) -> bool:
             drain(host, drain_url, service, drain_timeout)
