@@ -80,6 +80,25 @@ def assert_verify_names_a_stopped_service(info, inventory: Path, service: str) -
         in_sandbox(info, f"systemctl start {service}")
 
 
+def speed_unmeasured(rig: dict) -> dict:
+    """``rig`` (one host's data) with the decode speed left unmeasured after a restart
+    (server.max_slowdown: null). For the scenarios that test something else while the other
+    lane compiles beside them: there the slowdown guard's looks in turns take minutes (up to 8
+    looks of 3 completions each, a decode up to 20-fold slower beside a build), and its verdict
+    would rest on that load. test_sandbox_slowdown tests the guard, by itself."""
+    rig.setdefault("server", {})["max_slowdown"] = None
+    return rig
+
+
+def demo_rig_unmeasured(path: Path) -> Path:
+    """inventory/hosts.yml with its rig's decode speed unmeasured (``speed_unmeasured``),
+    written to ``path``."""
+    document = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
+    speed_unmeasured(document["all"]["children"]["sandbox"]["hosts"]["sandbox"])
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
 def demo_rig_inventory(path: Path, name: str, ssh_port: int, edit: Callable[[dict], None]) -> Path:
     """inventory/hosts.yml's sandbox rig moved onto sandbox ``name`` (its SSH port and
     known_hosts), changed by ``edit`` and written to ``path``."""

@@ -19,6 +19,7 @@ import re
 import secrets
 import shlex
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -41,7 +42,10 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
 
-INVENTORY = PROJECT / "inventory" / "hosts.yml"
+# inventory/hosts.yml with the decode speed unmeasured (sandboxes.speed_unmeasured): the API
+# key case turns the slowdown guard back on, since it tests what the guard starts again.
+_RIG_DIRECTORY = tempfile.TemporaryDirectory(prefix="llamarig-converge-")
+INVENTORY = sandboxes.demo_rig_unmeasured(Path(_RIG_DIRECTORY.name) / "hosts.yml")
 SERVICE = "llama-server"
 # The server started by hand with `-lv 4`: a port no other scenario's server uses, since the
 # scenarios run two at a time on the host's one loopback.
@@ -424,7 +428,10 @@ def test_api_key_protects_a_network_listener_and_stays_secret(sandbox_info, tmp_
     key_file = tmp_path / "rig.key"
     key_file.write_text(key + "\n")
     key_file.chmod(0o600)
-    inventory = variant(tmp_path, server={"host": "0.0.0.0", "api_key_file": str(key_file)})
+    guarded = {"max_slowdown": 0.1}  # the default of group_data/all.yml
+    inventory = variant(
+        tmp_path, server={"host": "0.0.0.0", "api_key_file": str(key_file), **guarded}
+    )
     result = deploy(inventory, "-v")
     assert result.returncode == 0, result.stderr[-4000:]
     assert key not in result.stdout + result.stderr, "the key leaked into pyinfra's output"
@@ -465,7 +472,9 @@ def test_api_key_protects_a_network_listener_and_stays_secret(sandbox_info, tmp_
     # the key, loaded as a credential) again side by side: it must still find the key.
     record = f"/var/lib/llamarig/last-good/{SERVICE}/decode-tps"
     in_sandbox(sandbox_info, f"sed -i '1s/.*/99999.0/' {record}")
-    result = deploy(INVENTORY, "-v")
+    back = tmp_path / "back"
+    back.mkdir()
+    result = deploy(variant(back, server=guarded), "-v")
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert "measuring the last version that served again, side by side" in output
