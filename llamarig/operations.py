@@ -957,18 +957,22 @@ DRAIN_POLL_S = 1
 DRAIN_REPORT_S = 10
 
 
-def drain(host, base_url: str, service: str, timeout: int) -> None:
+def drain(
+    host, base_url: str, service: str, timeout: int, server_host=None, restarting: str = "it"
+) -> None:
     """Wait until no slot of the llama-server at ``base_url`` processes a request, at most
     ``timeout`` seconds, saying what it waits for; llama-server has no graceful stop (SIGTERM
     ends the requests in flight), so this is the drain. Returns at once when ``timeout`` is 0
     (server.drain_timeout: do not wait), when nothing is busy or when /slots does not answer (a
-    server that is down or hung has nothing to finish)."""
+    server that is down or hung has nothing to finish). ``server_host``: the host the server
+    runs on, where /slots is asked (default ``host``); ``restarting``: what restarts after."""
     if timeout <= 0:
         return
+    server_host = server_host or host
     started = time.monotonic()
     reported = None
     while True:
-        _, output = host.run_shell_command(StringCommand(slot_counts_command(base_url)))
+        _, output = server_host.run_shell_command(StringCommand(slot_counts_command(base_url)))
         lines = output.stdout_lines
         total, busy = parse_slot_counts(lines[-1] if lines else "")
         waited = time.monotonic() - started
@@ -976,13 +980,14 @@ def drain(host, base_url: str, service: str, timeout: int) -> None:
             if reported is not None:
                 host.log(
                     f"llamarig: the requests in flight on {service} finished after "
-                    f"{waited:.0f} s: restarting it"
+                    f"{waited:.0f} s: restarting {restarting}"
                 )
             return
         if waited >= timeout:
             host.log_styled(
                 f"llamarig: {busy} of {total} slots of {service} still busy after {timeout} s "
-                f"(server.drain_timeout): restarting it anyway, cutting {busy} request(s)",
+                f"(server.drain_timeout): restarting {restarting} anyway, cutting {busy} "
+                "request(s)",
                 fg="yellow",
                 log_func=logger.warning,
             )
@@ -990,7 +995,7 @@ def drain(host, base_url: str, service: str, timeout: int) -> None:
         if reported is None or waited - reported >= DRAIN_REPORT_S:
             host.log(
                 f"llamarig: waiting for {busy} of {total} slots of {service} to finish their "
-                f"requests before restarting it ({timeout - waited:.0f} s left of "
+                f"requests before restarting {restarting} ({timeout - waited:.0f} s left of "
                 "server.drain_timeout)"
             )
             reported = waited
@@ -998,7 +1003,13 @@ def drain(host, base_url: str, service: str, timeout: int) -> None:
 
 
 @operation(is_idempotent=False)
-def restart_service(service: str, drain_url: str | None = None, drain_timeout: int = 0):
+def restart_service(
+    service: str,
+    drain_url: str | None = None,
+    drain_timeout: int = 0,
+    drain_host: str | None = None,
+    drain_service: str | None = None,
+):
     """
     Restart a systemd service on purpose: its start rate limit (meant for crash loops) is
     reset first, so a run of deliberate deploys is never refused with "start request repeated
@@ -1007,6 +1018,9 @@ def restart_service(service: str, drain_url: str | None = None, drain_timeout: i
     + service: unit name, e.g. ``llama-server.service``
     + drain_url, drain_timeout: a llama-server's base URL and the most seconds to wait for
       its requests in flight to finish before the restart (``drain``); none: no wait
+    + drain_host, drain_service: the inventory host that llama-server runs on and its unit,
+      when it is not this host's ``service`` (an RPC worker drains its head's server, whose
+      requests end when the worker goes away); reached over its own connection
 
     **Example:**
 
@@ -1021,7 +1035,21 @@ def restart_service(service: str, drain_url: str | None = None, drain_timeout: i
     if drain_url:
 
         def drained(state, host) -> bool:
-            drain(host, drain_url, service, drain_timeout)
+            if not drain_host:
+                drain(host, drain_url, service, drain_timeout)
+                return True
+            server_host = state.inventory.get_host(drain_host)
+            server_host.connect(reason=f"to drain it before {service} restarts", show_errors=False)
+            if not server_host.connected:
+                host.log_styled(
+                    f"llamarig: {drain_host} is not reachable, so its requests in flight on "
+                    f"{drain_service} were not waited for: restarting {service}",
+                    fg="yellow",
+                    log_func=logger.warning,
+                )
+                return True
+            label = f"{drain_service} on {drain_host}"
+            drain(host, drain_url, label, drain_timeout, server_host, restarting=service)
             return True
 
         yield FunctionCommand(drained, (), {})

@@ -16,7 +16,8 @@ from typing import Any
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 
 from llamarig import project_dir
-from llamarig.config import WILDCARD_HOSTS, model_filename
+from llamarig.config import model_filename
+from llamarig.config.addresses import local_url
 from llamarig.hardware import cuda_architectures
 
 TEMPLATES_DIR = project_dir("files")
@@ -516,10 +517,5 @@ def keyring_install_command(data: dict, distribution_dir: str) -> str:
 
 
 def base_url(data: dict) -> str:
-    """Where the deploy host reaches the server (a wildcard address is reached on loopback)."""
-    host = data["server"]["host"]
-    if host in WILDCARD_HOSTS:
-        host = "127.0.0.1"
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{data['server']['port']}"
+    """Where the host itself reaches its server (a wildcard address is reached on loopback)."""
+    return local_url(data["server"]["host"], data["server"]["port"])

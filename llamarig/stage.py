@@ -155,16 +155,21 @@ def service_running(
     why: str,
     drain_url: str | None = None,
     drain_timeout: int = 0,
+    drain_host: str | None = None,
+    drain_service: str | None = None,
 ) -> tuple[OperationMeta, OperationMeta]:
     """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
     inputs) unless this run just started it, after the requests in flight at ``drain_url``
-    finished (at most ``drain_timeout`` seconds); returns the start and the restart."""
+    (on ``drain_host``'s ``drain_service``, else this host's) finished, at most
+    ``drain_timeout`` seconds; returns the start and the restart."""
     started = operations.unit_running(name=f"{service} enabled and running", unit=service)
     restarted = operations.restart_service(
         name=f"Restart {service} ({why})",
         service=service,
         drain_url=drain_url,
         drain_timeout=drain_timeout,
+        drain_host=drain_host,
+        drain_service=drain_service,
         _if=lambda: out_of_date() and not started.did_change(),
     )
     return started, restarted

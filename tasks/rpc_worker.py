@@ -37,8 +37,15 @@ def _worker(rig: dict, restart_on: list[OperationMeta]) -> list[OperationMeta]:
     )
     systemd.daemon_reload(name="Reload systemd (the worker unit changed)", _if=rpc_unit.did_change)
     inputs = [rpc_unit, *restart_on]
+    head = rig["rpc"].get("head")  # none: a worker no head of this inventory uses
     started, restarted = stage.service_running(
-        rpc_service, any_changed(*inputs), "unit or build changed"
+        rpc_service,
+        any_changed(*inputs),
+        "unit or build changed",
+        drain_url=head and head["url"],
+        drain_timeout=head["drain_timeout"] if head else 0,
+        drain_host=head and head["name"],
+        drain_service=head and head["service"],
     )
     operations.wait_for_port(
         name=f"Wait until {rpc_service} accepts connections",

@@ -56,8 +56,13 @@ def changed_operations(results: dict) -> list[str]:
 
 
 def verify(inventory: Path, *pytest_args: str) -> subprocess.CompletedProcess:
+    return llamarig(inventory, "verify", "--", *pytest_args)
+
+
+def llamarig(inventory: Path, *args: str) -> subprocess.CompletedProcess:
+    """`llamarig ARGS` with RIG_INVENTORY=inventory."""
     return subprocess.run(
-        [sys.executable, "-m", "llamarig.cli", "verify", "--", *pytest_args],
+        [sys.executable, "-m", "llamarig.cli", *args],
         cwd=PROJECT,
         env=pyinfra_env(RIG_INVENTORY=str(inventory)),
         capture_output=True,

@@ -116,6 +116,31 @@ def test_a_head_cannot_use_a_standalone_box_nor_set_endpoints(write_inventory):
     )
 
 
+def test_each_worker_knows_the_head_server_it_drains_before_a_restart(write_inventory):
+    inventory = load_inventory(
+        pair(write_inventory, head_extra=', host: "::1", port: 8081, drain_timeout: 30')
+    )
+    for name in ("worker1", "worker2"):
+        assert inventory.hosts[name].data["rpc"]["head"] == {
+            "name": "head",
+            "url": "http://[::1]:8081",  # asked on the head
+            "service": "llama-server.service",
+            "drain_timeout": 30,
+        }
+    assert "head" not in inventory.hosts["head"].data["rpc"]
+    # A worker no head names has nothing to drain.
+    alone = load_inventory(pair(write_inventory, workers="worker1"))
+    assert "head" not in alone.hosts["worker2"].data["rpc"]
+    text = PAIR.format(workers="worker1", worker_host="10.0.0.11", head_extra="").replace(
+        "rpc: {host: 10.0.0.11, port: 50052}",
+        "rpc: {host: 10.0.0.11, port: 50052, head: {name: head}}",
+    )
+    assert (
+        "hosts.worker1.rpc.head: is derived from the head whose rpc.workers names this worker"
+        in problems(write_inventory(text))
+    )
+
+
 def test_the_rpc_sandbox_inventory_plans():
     inventory = load_inventory(PROJECT / "inventory" / "sandbox-rpc.yml")
     head = inventory.hosts["rpc-head"].data

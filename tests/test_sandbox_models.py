@@ -69,9 +69,9 @@ def workdir(tmp_path_factory) -> Path:
     return directory
 
 
-def hf_inventory(workdir: Path, hub: RunningStandIn, file: str) -> Path:
-    """The sandbox inventory with the model named by a Hugging Face reference to the stand-in;
-    models.lock.yml is written beside it."""
+def hf_inventory(workdir: Path, hub: RunningStandIn, file: str, **server) -> Path:
+    """The sandbox inventory with the model named by a Hugging Face reference to the stand-in
+    (and ``server`` settings); models.lock.yml is written beside it."""
     document = yaml.safe_load(INVENTORY.read_text())
     host = document["all"]["children"]["sandbox"]["hosts"]["sandbox"]
     host["model"] = {
@@ -83,6 +83,7 @@ def hf_inventory(workdir: Path, hub: RunningStandIn, file: str) -> Path:
         "token_file": str(workdir / "token"),
     }
     sandboxes.speed_unmeasured(host)
+    host["server"].update(server)
     path = workdir / "hosts.yml"
     path.write_text(yaml.safe_dump(document))
     return path
@@ -104,6 +105,7 @@ def server_model_argument(info) -> str:
 
 
 PROMPT = "The capital of France is"
+QUESTION = "What is the capital of France? Answer in one word."
 
 
 def test_a_gated_hf_reference_deploys_with_the_token_only_in_a_root_only_file(
@@ -170,6 +172,52 @@ def test_a_changed_token_reaches_the_host_and_no_output(sandbox_info, hub, workd
         assert world_readable_files_holding(sandbox_info, TOKEN, rotated) == ""
     finally:
         token_file.write_text(TOKEN + "\n")
+
+
+def test_no_secret_the_rig_holds_reaches_any_output(sandbox_info, hub, workdir):
+    """The rig's secrets (a Hub token and an API key; RPC has none) set, then both rotated:
+    no deploy (with --diff --debug), `llamarig plan`, `verify` or `complete` prints one, and
+    neither the unit, the env file, the journal nor any world-readable file of the host
+    holds one."""
+    token_file, key_file = workdir / "token", workdir / "api.key"
+    keys = ["api_key_8c1f0b6e2d5a4937", "api_key_rotated_51e9a7c3"]
+    tokens = [TOKEN, "hf_standin_token_rotated_c04b81"]
+    secrets = keys + tokens
+    outputs = {}
+    try:
+        for key, token in zip(keys, tokens, strict=True):
+            key_file.write_text(key + "\n")
+            key_file.chmod(0o600)
+            token_file.write_text(token + "\n")
+            inventory = hf_inventory(workdir, hub, realmodel.NAME, api_key_file=str(key_file))
+            result = sandboxes.deploy(inventory, "--diff", "--debug")
+            assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+            outputs[f"deploy with {key}"] = result.stdout + result.stderr
+        for command in (
+            ["plan"],
+            ["verify"],
+            ["complete", "--chat", "--tokens", "16", "--prompt", QUESTION],
+        ):
+            result = sandboxes.llamarig(inventory, *command)
+            assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+            outputs[command[0]] = result.stdout + result.stderr
+        assert "Paris" in outputs["complete"]
+        places = {
+            "unit": "systemctl cat llama-server",
+            "env file": "cat /etc/llamarig/llama-server.env",
+            "journal": "journalctl --no-pager -q -o cat",
+        }
+        for place, command in places.items():
+            outputs[place] = in_sandbox(sandbox_info, command)
+        found = {place: [s for s in secrets if s in text] for place, text in outputs.items()}
+        assert not any(found.values()), {place: held for place, held in found.items() if held}
+        assert world_readable_files_holding(sandbox_info, *secrets) == ""
+        # The rotated secrets reached their root-only files.
+        assert in_sandbox(sandbox_info, f"grep -c -F {keys[1]} /etc/llamarig/api-key") == "1"
+    finally:
+        token_file.write_text(TOKEN + "\n")
+        # Back to the keyless rig the other tests ask.
+        assert sandboxes.deploy(hf_inventory(workdir, hub, realmodel.NAME)).returncode == 0
 
 
 def test_a_split_model_brings_its_three_shards_and_serves_from_the_first(

@@ -16,6 +16,7 @@ import re
 import shlex
 import socket
 import struct
+import subprocess
 import time
 import urllib.request
 
@@ -104,6 +105,53 @@ def test_verify_checks_the_worker_and_the_head(head, worker):
         "test_listens_only_where_configured[ssh://llamarig-rpc-worker] PASSED",
     ):
         assert passed in result.stdout, result.stdout[-4000:]
+
+
+def rpc_variant(tmp_path, head_server: dict, worker_rpc: dict):
+    """inventory/sandbox-rpc.yml with some head server and worker rpc settings changed."""
+    import yaml
+
+    document = yaml.safe_load(INVENTORY.read_text())
+    children = document["all"]["children"]
+    children["rpc_heads"]["hosts"]["rpc-head"]["server"].update(head_server)
+    children["rpc_workers"]["hosts"]["rpc-worker"]["rpc"].update(worker_rpc)
+    path = tmp_path / "sandbox-rpc.yml"
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+def test_a_worker_restart_waits_for_the_head_requests_in_flight(head, worker, tmp_path):
+    """A head's request runs on its worker too: the worker's restart drains the head first
+    (asked on the head, over its own connection), and the request ends normally."""
+    # A context long enough for a completion that outlasts the deploy's way to the restart.
+    long_context = {"ctx": 32768}
+    sandboxes.converge(rpc_variant(tmp_path, long_context, {}))
+    body = json.dumps({"prompt": "Once", "n_predict": 30000, "ignore_eos": True, "stream": True})
+    client = subprocess.Popen(
+        ["curl", "-sN", "--max-time", "600", "-w", "\nHTTP %{http_code}\n"]
+        + ["-H", "Content-Type: application/json", "-d", body, f"{HEAD_URL}/completion"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    worker_pid = in_sandbox(worker, "systemctl show -P MainPID ggml-rpc-server")
+    changed = rpc_variant(tmp_path, long_context, {"threads": 1})  # the worker's unit changes
+    result = deploy(changed, "--limit", "rpc-worker")
+    output = result.stdout + result.stderr
+    streamed, _ = client.communicate(timeout=600)
+    assert result.returncode == 0, output[-4000:]
+    assert re.search(
+        r"waiting for 1 of 1 slots of llama-server.service on rpc-head to finish their requests "
+        r"before restarting ggml-rpc-server.service",
+        output,
+    ), output[-4000:]
+    assert "the requests in flight on llama-server.service on rpc-head finished" in output
+    assert in_sandbox(worker, "systemctl show -P MainPID ggml-rpc-server") != worker_pid
+    assert streamed.rstrip().endswith("HTTP 200"), streamed[-2000:]
+    last = json.loads(streamed.rsplit("data: ", 1)[-1].split("\n", 1)[0])
+    assert last["stop"] and last["stop_type"] == "limit", last
+    # The head, which lost its worker's connection, serves again after a converge.
+    sandboxes.converge(INVENTORY)
+    assert complete()["tokens_predicted"] == 8
 
 
 def test_a_worker_whose_port_is_held_fails_naming_the_socket(head, worker):

@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from llamarig.config import load_inventory
 from llamarig.remote import SshTarget
 from llamarig.verify import expectations
@@ -40,3 +42,29 @@ def test_expectations_carry_the_planned_data(file_server, tmp_path):
     ]  # fmt: skip
     assert expected["rehash"] is False and expectations(host, rehash=True)["rehash"] is True
     assert expected["checksum_records"] == "/var/lib/llamarig/checksums"
+
+
+@pytest.mark.parametrize("client", ["curl", "python3"])
+def test_a_hung_server_fails_the_api_checks_within_the_probe_bound(monkeypatch, client):
+    """A server that accepts connections and never answers (a SIGSTOPped llama-server): the
+    checks' API fails at once, naming the endpoint and the bound, instead of each check waiting
+    its request's 120 s."""
+    import socket
+    import time
+
+    import testinfra
+
+    from llamarig.checks import conftest
+
+    monkeypatch.setattr(conftest, "PROBE_MAX_S", 2)
+    host = testinfra.get_host("local://")
+    if client == "python3":
+        monkeypatch.setattr(host, "exists", lambda command: command != "curl")
+    with socket.create_server(("127.0.0.1", 0)) as hung:  # its backlog accepts; nobody reads
+        base = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(pytest.fail.Exception) as failed:
+            conftest.answering_api(host, {"base_url": base, "curl_auth": ""})
+        waited = time.monotonic() - started
+    assert str(failed.value).startswith(f"{base}/health gave no answer within 2 s (connect 5 s)")
+    assert waited < 10, f"the check waited {waited:.1f} s"

@@ -13,7 +13,7 @@ import shlex
 import pytest
 
 from llamarig.answers import REQUEST_TIMEOUT_S
-from llamarig.facts import PROBE_CONNECT_S
+from llamarig.facts import PROBE_CONNECT_S, PROBE_MAX_S
 
 
 @pytest.fixture(scope="session")
@@ -103,22 +103,40 @@ def gpus(host, nvidia_rig) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def api(host, derived, serving_rig):
-    """Call the server's API from the host itself (it may listen on loopback only)."""
-    base = derived["base_url"]
-    if not host.exists("curl"):
-        return python_api(host, base)
+    """Call the server's API from the host itself (it may listen on loopback only). /health
+    is asked first, within the deploy's probe bounds: a server that is hung or down fails every
+    API check at once, naming the endpoint, instead of each waiting its request's bound."""
+    return answering_api(host, derived)
 
-    def call(path: str, body: dict | None = None, auth: bool = True) -> tuple[int, str]:
-        """GET (or POST ``body``); with the host's root-only API key header when one is set."""
+
+def answering_api(host, derived: dict):
+    """The API caller of ``api``, once /health answered within the probe bounds."""
+    base = derived["base_url"]
+    call = python_api(host, base) if not host.exists("curl") else curl_api(host, derived)
+    code, _ = call("/health", max_time=PROBE_MAX_S)
+    if code == 0:
+        pytest.fail(
+            f"{base}/health gave no answer within {PROBE_MAX_S} s (connect {PROBE_CONNECT_S} "
+            "s): llama-server is down or hung (see `systemctl status` and its journal)"
+        )
+    return call
+
+
+def curl_api(host, derived: dict):
+    def call(
+        path: str, body: dict | None = None, auth: bool = True, max_time: int = REQUEST_TIMEOUT_S
+    ) -> tuple[int, str]:
+        """GET (or POST ``body``); with the host's root-only API key header when one is set;
+        status 0 when no answer came within ``max_time`` seconds."""
         payload = derived["curl_auth"] if auth else ""
         if body is not None:
             # One quoted argument: a prompt of `expect.answers` may hold any character.
             payload += f" -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
         # Bounded: a hung server fails its checks instead of hanging `llamarig verify`.
         result = host.run(
-            f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {REQUEST_TIMEOUT_S} "
+            f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {max_time} "
             f"-o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} "
-            f"-- {shlex.quote(base + path)}; "
+            f"-- {shlex.quote(derived['base_url'] + path)}; "
             "echo; cat /tmp/llamarig-verify.out; rm -f /tmp/llamarig-verify.out"
         )
         code, _, text = result.stdout.partition("\n")
@@ -152,7 +170,9 @@ print(text)
 def python_api(host, base: str):
     from llamarig.render import API_KEY_HEADER_PATH
 
-    def call(path: str, body: dict | None = None, auth: bool = True) -> tuple[int, str]:
+    def call(
+        path: str, body: dict | None = None, auth: bool = True, max_time: int = REQUEST_TIMEOUT_S
+    ) -> tuple[int, str]:
         result = host.run(
             "python3 -c "
             + shlex.quote(PYTHON_CALL)
@@ -164,7 +184,7 @@ def python_api(host, base: str):
                     json.dumps(body) if body is not None else "",
                     "1" if auth else "0",
                     API_KEY_HEADER_PATH,
-                    str(REQUEST_TIMEOUT_S),
+                    str(max_time),
                 )
             )
         )

@@ -17,3 +17,13 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(address).is_loopback
     except ValueError:
         return False
+
+
+def local_url(host: str, port: int) -> str:
+    """Where a client on the server's own machine reaches a server bound to ``host``:``port``
+    (a wildcard address is reached on loopback)."""
+    if host in WILDCARD_HOSTS:
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

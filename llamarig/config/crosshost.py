@@ -22,12 +22,7 @@ def rpc_inventory_problems(hosts: dict[str, HostConfig]) -> list[str]:
             problems.extend(
                 located(
                     host_config,
-                    Problem(
-                        ("rpc", key),
-                        "is derived from rpc.workers (their rpc.host:rpc.port and gpus); name "
-                        "the workers and declare their settings there instead",
-                        in_inventory=True,
-                    ),
+                    Problem(("rpc", key), DERIVED_RPC_KEYS[key], in_inventory=True),
                 )
                 for key in derived
             )

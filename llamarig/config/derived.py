@@ -7,12 +7,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
+from llamarig.config.addresses import local_url
 from llamarig.config.hosts import HostConfig
 from llamarig.shapes import url_file_name
 from llamarig.shards import shard_count, sibling_paths, sibling_urls
 
-# Keys of `rpc` that only derive_rpc writes.
-DERIVED_RPC_KEYS = ("endpoints", "worker_gpus")
+# Keys of `rpc` that only derive_rpc writes, each with what to do instead.
+_FROM_WORKERS = (
+    "is derived from rpc.workers (their rpc.host:rpc.port and gpus); name the workers and "
+    "declare their settings there instead"
+)
+DERIVED_RPC_KEYS = {
+    "endpoints": _FROM_WORKERS,
+    "worker_gpus": _FROM_WORKERS,
+    "head": "is derived from the head whose rpc.workers names this worker; name it there instead",
+}
 
 
 def model_filename(data: dict) -> str:
@@ -90,11 +99,22 @@ def rpc_endpoint(worker: HostConfig) -> str:
 
 
 def derive_rpc(hosts: dict[str, HostConfig]) -> None:
-    """Write each head's rpc.endpoints and rpc.worker_gpus (so --rpc is never typed twice);
-    run after the checks passed."""
+    """Write each head's rpc.endpoints and rpc.worker_gpus (so --rpc is never typed twice)
+    and each worker's rpc.head (the server it drains before it restarts); run after the checks
+    passed."""
     for head in hosts.values():
         if head.data["role"] != "rpc-head":
             continue
         rpc = head.data["rpc"]
         rpc["endpoints"] = [rpc_endpoint(worker) for worker in rpc_workers(head, hosts)]
         rpc["worker_gpus"] = worker_gpus(head, hosts)
+        server = head.data["server"]
+        for worker in rpc_workers(head, hosts):
+            # What the worker's restart drains first: the head's requests in flight, which
+            # end when the worker they run on goes away.
+            worker.data["rpc"]["head"] = {
+                "name": head.name,
+                "url": local_url(server["host"], server["port"]),
+                "service": f"{server['service']}.service",
+                "drain_timeout": server["drain_timeout"],
+            }

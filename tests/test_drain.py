@@ -1,0 +1,75 @@
+"""The drain before a restart (operations.drain): /slots is asked on the host the server runs
+on, what it waits for is said on the host that restarts, and the bound cuts what is left."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from llamarig import operations
+
+
+class Host:
+    """A host that answers the slot count command with the next of ``busy`` (of 2 slots)."""
+
+    def __init__(self, busy: list[int] | None = None) -> None:
+        self.busy = list(busy or [])
+        self.commands: list[str] = []
+        self.said: list[str] = []
+
+    def run_shell_command(self, command):
+        self.commands.append(str(command))
+        busy = self.busy.pop(0) if len(self.busy) > 1 else self.busy[0]
+        return True, SimpleNamespace(stdout_lines=[f"slots 2 {busy}"])
+
+    def log(self, message, log_func=None):
+        self.said.append(message)
+
+    def log_styled(self, message, **_):
+        self.said.append(message)
+
+
+@pytest.fixture(autouse=True)
+def quick_polls(monkeypatch):
+    monkeypatch.setattr(operations, "DRAIN_POLL_S", 0.01)
+
+
+def test_a_worker_restart_waits_for_the_head_requests_asked_on_the_head():
+    worker, head = Host(), Host(busy=[2, 1, 0])
+    operations.drain(
+        worker,
+        "http://127.0.0.1:8086",
+        "llama-server.service on rpc-head",
+        60,
+        server_host=head,
+        restarting="ggml-rpc-server.service",
+    )
+    assert worker.commands == [], "the worker cannot see the head's loopback"
+    assert len(head.commands) == 3
+    assert all("http://127.0.0.1:8086/slots" in command for command in head.commands)
+    assert worker.said[0].startswith(
+        "llamarig: waiting for 2 of 2 slots of llama-server.service on rpc-head to finish their "
+        "requests before restarting ggml-rpc-server.service ("
+    )
+    assert worker.said[-1].startswith(
+        "llamarig: the requests in flight on llama-server.service on rpc-head finished after"
+    )
+    assert worker.said[-1].endswith("restarting ggml-rpc-server.service")
+    assert head.said == []
+
+
+def test_the_bound_restarts_anyway_and_counts_what_it_cuts():
+    server = Host(busy=[2])
+    operations.drain(server, "http://127.0.0.1:8080", "llama-server.service", 1)
+    assert server.said[-1] == (
+        "llamarig: 2 of 2 slots of llama-server.service still busy after 1 s "
+        "(server.drain_timeout): restarting it anyway, cutting 2 request(s)"
+    )
+    assert len(server.commands) > 2  # it polled until the bound
+
+
+@pytest.mark.parametrize("busy", [[0], None])
+def test_nothing_to_wait_for(busy):
+    server = Host(busy=busy or [2])
+    operations.drain(server, "http://127.0.0.1:8080", "llama-server.service", 0 if not busy else 5)
+    assert server.said == []
+    assert len(server.commands) == (1 if busy else 0)
