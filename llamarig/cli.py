@@ -21,9 +21,9 @@ from llamarig.entry import host_entry, inventory_document, probe, render_entry
 from llamarig.facts import PROBE_CONNECT_S
 from llamarig.gguf_header import GgufError
 from llamarig.hubref import HubError
-from llamarig.model_lock import resolved
+from llamarig.model_lock import lock_path, record_header, resolved
 from llamarig.plan import plan_host
-from llamarig.remote import SshTarget, gather, run_on_host, shell_reader
+from llamarig.remote import Gathered, SshTarget, gather, run_on_host, shell_reader
 from llamarig.shapes import SHA256_HEX, address_problem, host_name_problem
 from llamarig.tune import TuneError, tune_host
 from llamarig.verify import verify_host
@@ -39,11 +39,19 @@ def _chosen_hosts(args: argparse.Namespace) -> dict[str, HostConfig] | None:
     return {n: h for n, h in inventory.hosts.items() if not args.host or n == args.host}
 
 
-def _plan(args: argparse.Namespace) -> int:
+# `llamarig plan`'s exit status when a plan fits but chose something without the model's
+# GGUF header (docs/operations.md): a CI check that the plan it shows is the deploy's.
+PROVISIONAL_STATUS = 3
+
+
+def _gathered(args: argparse.Namespace) -> dict[str, tuple[dict, Gathered]] | None:
+    """Each chosen host's rig data (a Hugging Face reference resolved) and what its plan
+    reads; None, the problem printed, when the inventory or a reference is refused. The host
+    is contacted only with --probe; a local host's model file is read in place."""
     hosts = _chosen_hosts(args)
     if hosts is None:
-        return 2
-    plans = {}
+        return None
+    found = {}
     for name, host_config in hosts.items():
         try:
             data = resolved(host_config.data, update=args.update_models or None)
@@ -52,12 +60,21 @@ def _plan(args: argparse.Namespace) -> int:
                 f"llamarig: {located(host_config, Problem(error.key_path, error.message))}",
                 file=sys.stderr,
             )
-            return 2
-        # The host is contacted only with --probe; a local host's model file is read in place.
+            return None
         contact = args.probe or data["ssh"].get("local")
         reader = shell_reader(data) if contact else None
-        gathered = gather(data, reader, gpus=args.probe, model=args.model)
-        plans[name] = plan_host(name, data, **gathered.plan_inputs())
+        found[name] = data, gather(data, reader, gpus=args.probe, model=args.model)
+    return found
+
+
+def _plan(args: argparse.Namespace) -> int:
+    found = _gathered(args)
+    if found is None:
+        return 2
+    plans = {
+        name: plan_host(name, data, **gathered.plan_inputs())
+        for name, (data, gathered) in found.items()
+    }
     if args.json:
         print(json.dumps({"hosts": {n: p.to_json() for n, p in plans.items()}}, indent=2))
     else:
@@ -66,7 +83,35 @@ def _plan(args: argparse.Namespace) -> int:
             if args.unit and host_plan.server_args_ready:
                 print(render.render_unit(host_plan.resolved))
                 print(render.render_env_file(host_plan.resolved))
-    return 0 if all(p.fits for p in plans.values()) else 1
+    if not all(p.fits for p in plans.values()):
+        return 1
+    if any(p.blind for p in plans.values()) and not args.allow_provisional:
+        return PROVISIONAL_STATUS
+    return 0
+
+
+def _lock(args: argparse.Namespace) -> int:
+    """Record in models.lock.yml the GGUF header of each model file the planner reads."""
+    found = _gathered(args)
+    if found is None:
+        return 2
+    lock, status = lock_path(), 0
+    for name, (data, gathered) in found.items():
+        if data["llama_cpp"]["backend"] != "cuda" or data["role"] == "rpc-worker":
+            print(f"{name}: nothing to record (only a CUDA rig's plan reads the model's header)")
+            continue
+        if gathered.header is None:
+            print(f"{name}: no header to record: {gathered.header_note}", file=sys.stderr)
+            status = 1
+            continue
+        for warning in gathered.warnings:
+            print(f"{name}: {warning}", file=sys.stderr)
+        for key, header in gathered.read:
+            record_header(lock, key, header)
+            print(f"{name}: recorded the header of {next(iter(key.values()))} in {lock}")
+        if not gathered.read:
+            print(f"{name}: {lock} holds the header of every model file already")
+    return status
 
 
 # The most a completion of MAX_COMPLETION_TOKENS may take on a slow rig; a hung server fails.
@@ -347,7 +392,8 @@ def main(argv: list[str] | None = None) -> int:
         "plan",
         help=f"plan each host of RIG_INVENTORY (now {inventory_path()}) without changing "
         "anything: GPUs, architectures, version checks, per-GPU memory, cmake and llama-server "
-        "arguments; exit 1 when a plan does not fit",
+        f"arguments; exit 1 when a plan does not fit, {PROVISIONAL_STATUS} when it is "
+        "provisional",
     )
     plan_parser.add_argument("--host", type=_host_name, help="only this host")
     plan_parser.add_argument("--model", type=_gguf_file, help="plan against this local GGUF file")
@@ -362,6 +408,29 @@ def main(argv: list[str] | None = None) -> int:
         "models.lock.yml (else the recorded commits are used)",
     )
     plan_parser.add_argument("--unit", action="store_true", help="also print unit and env file")
+    plan_parser.add_argument(
+        "--allow-provisional",
+        action="store_true",
+        help=f"exit 0, not {PROVISIONAL_STATUS}, when a plan is provisional (made without the "
+        "model's GGUF header: no models.lock.yml record and no readable file)",
+    )
+
+    lock_parser = commands.add_parser(
+        "lock",
+        help="record in models.lock.yml (beside RIG_INVENTORY) the GGUF header of each model "
+        "file, read from its URL or the Hub (or, with --probe, from the host), so that a plan "
+        "made where the model cannot be read is the deploy's",
+    )
+    lock_parser.add_argument("--host", type=_host_name, help="only this host")
+    lock_parser.add_argument(
+        "--probe", action="store_true", help="read a model file from the host over SSH"
+    )
+    lock_parser.add_argument(
+        "--update-models",
+        action="store_true",
+        help="resolve Hugging Face references again before reading the headers",
+    )
+    lock_parser.set_defaults(model=None)  # the model's own files, never a local copy
 
     complete_parser = commands.add_parser(
         "complete", help="send a completion to each host's server (over SSH) and print it"
@@ -455,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         commands_by_name = {
             "plan": _plan,
+            "lock": _lock,
             "complete": _complete,
             "verify": _verify,
             "run": _run,

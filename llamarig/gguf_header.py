@@ -7,6 +7,7 @@ padding to ``general.alignment`` (default 32), then the tensor data. Only the pa
 data is read, so the first few MB of a model (fetched over SSH, say) are enough.
 """
 
+import hashlib
 import io
 import re
 import struct
@@ -123,6 +124,9 @@ class GgufHeader:
     data_offset: int
     alignment: int = DEFAULT_ALIGNMENT
     source: str = field(default="<bytes>", compare=False)
+    # sha256 of the header's bytes as read (the magic to the end of the tensor table): what
+    # tells a recorded header (models.lock.yml) from the file's own
+    digest: str = field(default="", compare=False)
 
     def tensor(self, name: str) -> TensorInfo | None:
         return next((t for t in self.tensors if t.name == name), None)
@@ -355,6 +359,13 @@ class _Reader:
         self._buffer = b""
         self._pos = 0  # within _buffer
         self._consumed = 0  # bytes of the stream before _buffer
+        self._hash = hashlib.sha256()  # of the bytes before _buffer
+
+    def digest(self) -> str:
+        """sha256 of every byte read so far."""
+        hashed = self._hash.copy()
+        hashed.update(self._buffer[: self._pos])
+        return hashed.hexdigest()
 
     @property
     def offset(self) -> int:
@@ -369,6 +380,7 @@ class _Reader:
                     f"while reading {what} (the header needs more bytes)"
                 )
             self._consumed += self._pos
+            self._hash.update(self._buffer[: self._pos])
             self._buffer = self._buffer[self._pos :] + chunk
             self._pos = 0
 
@@ -461,7 +473,7 @@ def read_gguf_header(
 
     tensors = list(_read_tensor_infos(reader, n_tensors, label))
     data_offset = -(-reader.offset // alignment) * alignment
-    return GgufHeader(version, metadata, tensors, data_offset, alignment, label)
+    return GgufHeader(version, metadata, tensors, data_offset, alignment, label, reader.digest())
 
 
 def _read_tensor_infos(reader: _Reader, n_tensors: int, label: str) -> Iterator[TensorInfo]:
@@ -519,7 +531,13 @@ def merge_split(headers: list[GgufHeader]) -> GgufHeader:
         )
     first = headers[0]
     return GgufHeader(
-        first.version, first.metadata, tensors, first.data_offset, first.alignment, first.source
+        first.version,
+        first.metadata,
+        tensors,
+        first.data_offset,
+        first.alignment,
+        first.source,
+        first.digest,
     )
 
 

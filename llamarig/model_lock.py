@@ -20,9 +20,12 @@ from urllib.parse import quote
 
 import yaml
 
+from llamarig import header_record
+from llamarig.config.derived import ModelFile
 from llamarig.config.loader import load_yaml
 from llamarig.config.paths import inventory_path
 from llamarig.config.problems import ConfigError
+from llamarig.gguf_header import GgufError, GgufHeader
 from llamarig.hubref import (
     DEFAULT_ENDPOINT,
     DEFAULT_REVISION,
@@ -35,10 +38,13 @@ from llamarig.shards import sibling_paths
 LOCK_NAME = "models.lock.yml"
 UPDATE_ENV = "LLAMARIG_UPDATE_MODELS"
 _HEADER = """\
-# The commits llamarig resolved Hugging Face model references to, and each file's sha256.
-# Commit this file with the inventory: later runs fetch exactly these files. To move to what
-# the references name now: `llamarig plan --update-models` (or LLAMARIG_UPDATE_MODELS=1 for a
-# deploy). Written by llamarig; edit only by deleting an entry.
+# The commits llamarig resolved Hugging Face model references to, and each file's sha256
+# (`models`); the GGUF header of each model file the planner read (`headers`, trimmed and
+# compressed, keyed by the file's sha256 or its path on the host). Commit this file with the
+# inventory: later runs fetch exactly these files, and a plan made where the model cannot be
+# read is the plan the deploy makes. To move to what the references name now: `llamarig plan
+# --update-models` (or LLAMARIG_UPDATE_MODELS=1 for a deploy); `llamarig lock` records the
+# headers. Written by llamarig; edit only by deleting an entry.
 """
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -66,23 +72,44 @@ def reference_of(model: dict) -> dict:
     return key
 
 
-def read_lock(path: Path) -> list[dict]:
-    """The recorded entries, each checked into shapes that cannot carry shell syntax (the file
-    is the user's to commit, so it is read as untrusted input)."""
+def _read_document(path: Path) -> dict:
+    """The file's `models` and `headers` lists, each entry checked into shapes that cannot carry
+    shell syntax (the file is the user's to commit, so it is read as untrusted input)."""
     if not path.exists():
-        return []
+        return {"models": [], "headers": []}
     try:
         document = load_yaml(path)
     except ConfigError as error:
         raise _lock_error(path, f"cannot be read ({error.problems[0]})") from None
-    entries = (document or {}).get("models", []) if isinstance(document, dict) else None
-    if not isinstance(entries, list):
-        raise _lock_error(path, "has no `models:` list")
-    for index, entry in enumerate(entries):
-        problem = _entry_problem(entry)
-        if problem:
-            raise _lock_error(path, f"entry {index + 1}: {problem}")
-    return entries
+    if document is not None and not isinstance(document, dict):
+        raise _lock_error(path, "is not a mapping of `models:` and `headers:` lists")
+    document = document or {}
+    lists = {}
+    for key, problem_of in (("models", _entry_problem), ("headers", _header_entry_problem)):
+        entries = document.get(key, [])
+        if not isinstance(entries, list):
+            raise _lock_error(path, f"has a `{key}:` that is not a list")
+        for index, entry in enumerate(entries):
+            problem = problem_of(entry)
+            if problem:
+                raise _lock_error(path, f"{key} entry {index + 1}: {problem}")
+        lists[key] = entries
+    return lists
+
+
+def _write_document(path: Path, document: dict) -> None:
+    """Written whole, then renamed into place, so a reader never sees half a file."""
+    text = _HEADER + yaml.safe_dump(
+        {key: entries for key, entries in document.items() if entries}, sort_keys=True, width=100
+    )
+    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
+
+
+def read_lock(path: Path) -> list[dict]:
+    """The recorded Hugging Face references."""
+    return _read_document(path)["models"]
 
 
 def _entry_problem(entry: object) -> str | None:
@@ -129,15 +156,78 @@ def _lock_error(path: Path, message: str) -> HubError:
 
 
 def write_entry(path: Path, entry: dict) -> None:
-    """Record ``entry``, replacing the one of the same reference; written whole, then renamed
-    into place, so a reader never sees half a file."""
-    entries = [e for e in read_lock(path) if e["reference"] != entry["reference"]]
+    """Record ``entry``, replacing the one of the same reference."""
+    document = _read_document(path)
+    entries = [e for e in document["models"] if e["reference"] != entry["reference"]]
     entries.append(entry)
     entries.sort(key=lambda e: sorted(e["reference"].items()))
-    text = _HEADER + yaml.safe_dump({"models": entries}, sort_keys=True, width=100)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
+    _write_document(path, {**document, "models": entries})
+
+
+def _header_entry_problem(entry: object) -> str | None:
+    if not isinstance(entry, dict) or set(entry) != {"file", "digest", "format", "record"}:
+        return "not a mapping of exactly `file`, `digest`, `format` and `record`"
+    if _file_key_problem(entry["file"]):
+        return _file_key_problem(entry["file"])
+    if entry["format"] != header_record.FORMAT:
+        return f"format {entry['format']!r} is not {header_record.FORMAT}"
+    if not isinstance(entry["digest"], str) or not _SHA256.fullmatch(entry["digest"]):
+        return f"digest {entry['digest']!r} is not 64 hex digits"
+    if not isinstance(entry["record"], str):
+        return "record is not text"
+    return None
+
+
+def _file_key_problem(key: object) -> str | None:
+    if isinstance(key, dict) and list(key) == ["sha256"]:
+        if isinstance(key["sha256"], str) and _SHA256.fullmatch(key["sha256"]):
+            return None
+    if isinstance(key, dict) and list(key) == ["host_path"]:
+        path = key["host_path"]
+        if isinstance(path, str) and path.startswith("/") and "\n" not in path:
+            return None
+    return f"file {key!r} is not {{sha256: 64 hex digits}} or {{host_path: /absolute/path}}"
+
+
+def header_key(file: ModelFile) -> dict:
+    """What a model file's header is recorded under: its sha256, else its path on the host."""
+    return {"sha256": file.sha256} if file.sha256 else {"host_path": file.dest}
+
+
+def recorded_header(path: Path, key: dict) -> GgufHeader | None:
+    """The header recorded under ``key`` (``header_key``), or None. Raises GgufError, naming
+    the lock file and the fix, for a record that cannot be decoded."""
+    for entry in _read_document(path)["headers"]:
+        if entry["file"] == key:
+            name = f"{path} (header of {next(iter(key.values()))})"
+            try:
+                return header_record.decode(entry["record"], entry["digest"], name)
+            except GgufError as error:
+                raise GgufError(
+                    f"{error}: delete that entry of `headers:`; `llamarig lock` records it again"
+                ) from None
+    return None
+
+
+def record_header(path: Path, key: dict, header: GgufHeader) -> bool:
+    """Record ``header`` (read from the file) under ``key``, replacing an entry with another
+    digest; False when the same header was recorded already."""
+    document = _read_document(path)
+    entries = document["headers"]
+    if any(e["file"] == key and e["digest"] == header.digest for e in entries):
+        return False
+    entries = [e for e in entries if e["file"] != key]
+    entries.append(
+        {
+            "file": key,
+            "digest": header.digest,
+            "format": header_record.FORMAT,
+            "record": header_record.encode(header),
+        }
+    )
+    entries.sort(key=lambda e: sorted(e["file"].items()))
+    _write_document(path, {**document, "headers": entries})
+    return True
 
 
 def recorded(model: dict, lock: Path, update: bool) -> dict:

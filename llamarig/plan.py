@@ -147,6 +147,20 @@ class HostPlan:
     # The GPUs llama-server is given (--device), in the order of the memory plan's devices.
     used_gpus: list[dict] = field(default_factory=list)
     split_mode_reason: str = ""
+    # The choices made without the model's GGUF header (split mode, memory per GPU, ...), and
+    # why it could not be had: a plan that may change once the header is read.
+    blind: list[str] = field(default_factory=list)
+    blind_reason: str = ""
+
+    @property
+    def provisional(self) -> str:
+        """One line saying which choices were made blind, or "" for a plan that is final."""
+        if not self.blind:
+            return ""
+        return (
+            f"provisional: {', '.join(self.blind)} chosen without the model's GGUF header "
+            f"({self.blind_reason}); record it with `llamarig lock` (models.lock.yml)"
+        )
 
     @property
     def fits(self) -> bool:
@@ -187,6 +201,7 @@ class HostPlan:
             devices.append(row)
         return {
             "fits": self.fits,
+            "provisional": self.blind,
             "errors": self.errors,
             "warnings": self.warnings,
             "cuda_architectures": self.cuda_architectures or "",
@@ -210,7 +225,10 @@ class HostPlan:
     def report(self) -> str:
         """The plan as a person reads it."""
         server = self.resolved["server"]
-        lines = [f"== {self.host}: {'fits' if self.fits else 'REFUSED'}"]
+        verdict = "REFUSED" if not self.fits else "PROVISIONAL" if self.blind else "fits"
+        lines = [f"== {self.host}: {verdict}"]
+        if self.provisional:
+            lines.append(f"  {self.provisional}")
         for index, gpu in enumerate(self.gpus):
             lines.append(
                 f"  GPU {index} ({self.gpu_source}): {gpu['name']}, {gpu['vram_mib']} MiB, "
@@ -346,24 +364,32 @@ def load_header(data: dict, model_path: str | None = None) -> tuple[GgufHeader |
                     "path of a local copy of the model (a split model's shards beside it)"
                 ) from None
         return merge_split(headers), ""
+    headers, note = url_headers(data)
+    if not headers:
+        return None, note
+    try:
+        return merge_split(headers), ""
+    except GgufError as error:
+        return None, f"cannot read the GGUF header from {data['model']['url']}: {error}"
+
+
+def url_headers(data: dict) -> tuple[list[GgufHeader], str]:
+    """The header of each of the model's files (every shard of a split model), read from its
+    URL (or kept on this machine); or no headers and why."""
     url = data["model"]["url"]
     if not url:
-        return None, "the model is a file on the host (plan with --model PATH, a local copy)"
+        return [], "the model is a file on the host (plan with --model PATH, a local copy)"
     model = data["model"]
     try:
         token = read_token(model["token_file"]) if model.get("token_file") else None
         shards = sibling_urls(url)
         digests = shard_digests(model, len(shards))
-        return merge_split(
-            [
-                fetch_header(shard, token, digest)
-                for shard, digest in zip(shards, digests, strict=True)
-            ]
-        ), ""
-    except HubError as error:
-        return None, f"cannot read the GGUF header from {url}: {error}"
-    except (urllib.error.URLError, OSError, GgufError) as error:
-        return None, f"cannot read the GGUF header from {url}: {error}"
+        return [
+            fetch_header(shard, token, digest)
+            for shard, digest in zip(shards, digests, strict=True)
+        ], ""
+    except (HubError, urllib.error.URLError, OSError, GgufError) as error:
+        return [], f"cannot read the GGUF header from {url}: {error}"
 
 
 # A GGUF header with a 250k-token vocabulary is about 10 MiB; it travels base64 over SSH (slow:
@@ -484,6 +510,14 @@ def plan_host(
     server["split_mode"], plan.split_mode_reason = choose_split_mode(
         data, n_gpus if gpus else None, header
     )
+    if header is None and gpu and data["role"] != "rpc-worker":
+        plan.blind_reason = header_note or "no header read"
+        if data["server"]["split_mode"] == "auto" and gpus and n_gpus > 1:
+            plan.blind.append("split mode")
+        if gpus:
+            plan.blind.append("memory per GPU")
+        if _mtp_draft(server):
+            plan.blind.append("MTP drafting (the model's MTP layers)")
     if header is not None and data["role"] != "rpc-worker":
         problem = trained_context_problem(server, header)
         if problem:

@@ -21,13 +21,15 @@ from llamarig.facts import (
     NvidiaPciDevices,
     NvidiaSmiGpus,
 )
-from llamarig.gguf_header import GgufError, GgufHeader, read_gguf_header
+from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
+from llamarig.model_lock import header_key, lock_path, recorded_header
 from llamarig.plan import (
     HOST_HEADER_FIRST_READ,
     HOST_HEADER_READ,
     gpus_from_pci,
     header_from_host,
     load_header,
+    url_headers,
 )
 from llamarig.render import OVERHEADS_DIR
 
@@ -176,6 +178,9 @@ class Gathered:
     header_note: str = ""
     warnings: list[str] = field(default_factory=list)  # PCI ids not in llamarig's table
     measured_overheads: dict | None = None  # what the deploy measured after earlier starts
+    header_source: str = ""  # models.lock.yml when the header came from its record
+    # headers read from the model's files that models.lock.yml does not hold: (key, header)
+    read: list[tuple[dict, GgufHeader]] = field(default_factory=list)
 
     def plan_inputs(self) -> dict:
         return {
@@ -206,11 +211,55 @@ def gather(
     if data["llama_cpp"]["backend"] == "cuda":
         if gpus and reader is not None:  # what earlier starts measured on these GPUs
             gathered.measured_overheads = reader(MeasuredOverheads, path=OVERHEADS_DIR)
-        gathered.header, gathered.header_note = load_header(data, model)
-        if gathered.header is None and reader is not None:
-            heads = [(host_header(reader, file), file.dest) for file in model_files(data)]
-            gathered.header, gathered.header_note = header_from_host(heads, gathered.header_note)
+        if model:  # the user's local copy, read in place and not recorded
+            gathered.header, gathered.header_note = load_header(data, model)
+        else:
+            _model_header(gathered, data, reader)
     return gathered
+
+
+def _model_header(gathered: Gathered, data: dict, reader: Reader | None) -> None:
+    """The model's header for ``gathered``: recorded in models.lock.yml, else read from the
+    model's URL, else from the file on the host. A header read from the file that the lock
+    does not hold (or holds with another digest) goes to ``gathered.read``, to be recorded.
+    A file with no sha256 may change on the host: with the host at hand its own header wins
+    over the record."""
+    files = model_files(data)
+    keys = [header_key(file) for file in files]
+    lock = lock_path()
+    try:
+        locked = [recorded_header(lock, key) for key in keys]
+    except GgufError as error:
+        locked, gathered.warnings = [None] * len(files), [*gathered.warnings, str(error)]
+    pinned = all(file.sha256 for file in files)
+    if all(locked) and (pinned or reader is None):
+        gathered.header, gathered.header_source = merge_split(locked), str(lock)
+        return
+    headers, note = url_headers(data)
+    if not headers and reader is not None:
+        heads = [(host_header(reader, file), file.dest) for file in files]
+        merged, note = header_from_host(heads, note)
+        headers = [head for head, _ in heads] if merged else []
+    if not headers:
+        if all(locked):  # not readable yet (the file is not on the host): the record plans
+            gathered.header, gathered.header_source = merge_split(locked), str(lock)
+        else:
+            gathered.header_note = note
+        return
+    try:
+        gathered.header = merge_split(headers)
+    except GgufError as error:
+        gathered.header_note = str(error)
+        return
+    for key, header, record in zip(keys, headers, locked, strict=True):
+        if record is None or record.digest != header.digest:
+            gathered.read.append((key, header))
+            if record is not None:
+                gathered.warnings.append(
+                    f"{lock}: the recorded header of {next(iter(key.values()))} is not the "
+                    f"file's (digest {record.digest[:12]} against {header.digest[:12]}): "
+                    "planned with the file's, and recorded again by a deploy or `llamarig lock`"
+                )
 
 
 def host_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pyinfra import host
+from pyinfra import host, logger
 from pyinfra.api.exceptions import DeployError
 from pyinfra.api.operation import OperationMeta
 from pyinfra.connectors.local import LocalConnector
@@ -39,7 +39,7 @@ from llamarig.facts import (
     prefetch,
 )
 from llamarig.hubref import HubError
-from llamarig.model_lock import resolved
+from llamarig.model_lock import lock_path, record_header, resolved
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools
 from llamarig.plan import HostPlan, plan_host
 from llamarig.remote import gather
@@ -71,7 +71,13 @@ def plan() -> HostPlan:
         gathered = gather(data, known, gpus=data["llama_cpp"]["backend"] == "cuda")
         for warning in gathered.warnings:
             host.noop(warning)
+        lock = lock_path()
+        for key, header in gathered.read:  # what a plan elsewhere needs, as --update-models
+            if record_header(lock, key, header):
+                host.noop(f"recorded the GGUF header of {next(iter(key.values()))} in {lock}")
         _plans[host.name] = plan_host(host.name, data, **gathered.plan_inputs())
+        if _plans[host.name].provisional:  # shown without -v: the unit may change later
+            host.log_styled(_plans[host.name].provisional, fg="yellow", log_func=logger.warning)
     return _plans[host.name]
 
 

@@ -167,6 +167,25 @@ def home(tmp_path, monkeypatch) -> Path:
     return directory
 
 
+REPOSITORY_LOCK = PROJECT / "inventory" / "models.lock.yml"
+
+
+def _lock_state() -> bytes | None:
+    return REPOSITORY_LOCK.read_bytes() if REPOSITORY_LOCK.exists() else None
+
+
+@pytest.fixture(autouse=True)
+def repository_lock_untouched():
+    """Fail a test that writes the repository's inventory/models.lock.yml: a plan or deploy
+    records the headers it read beside RIG_INVENTORY, so a test sets that to tmp_path."""
+    before = _lock_state()
+    yield
+    if _lock_state() != before:
+        pytest.fail(
+            f"the test wrote {REPOSITORY_LOCK}: set RIG_INVENTORY to an inventory in tmp_path"
+        )
+
+
 @pytest.fixture(autouse=True)
 def network_guard(monkeypatch):
     """Fail any test whose code opens a socket to an address outside loopback or asks DNS."""

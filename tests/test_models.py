@@ -436,7 +436,7 @@ class TestLock:
     @pytest.mark.parametrize(
         "text, words",
         [
-            ("models: {}", "has no `models:` list"),
+            ("models: {}", "has a `models:` that is not a list"),
             (
                 "models:\n- reference: {hf: org/tiny, file: a.gguf}\n  commit: xyz\n  files: []\n",
                 "commit 'xyz' is not 40 hex digits",

@@ -59,9 +59,10 @@ def test_seed_rig_fits_with_its_own_split(seed, qwen_header):
     args = document["server_args"]
     assert args[args.index("-ts") + 1] == "2,3" and "-fit" in args
     assert set(document) == {
-        "fits", "errors", "warnings", "cuda_architectures", "split_mode", "split_mode_reason",
-        "tensor_split", "ctx", "devices", "server_args", "cmake_args",
+        "fits", "provisional", "errors", "warnings", "cuda_architectures", "split_mode",
+        "split_mode_reason", "tensor_split", "ctx", "devices", "server_args", "cmake_args",
     }  # fmt: skip
+    assert document["provisional"] == []
 
 
 def test_seed_rig_auto_split_is_near_two_to_three(seed, qwen_header):

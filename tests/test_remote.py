@@ -206,7 +206,9 @@ def test_the_deploy_and_the_cli_read_the_same(write_inventory, tmp_path, monkeyp
     """The deploy's plan (pyinfra facts on @local) equals the CLI's (sh on the same host)."""
     model = tmp_path / "m.gguf"
     write_qwen35(model)
-    host_config = load_inventory(write_inventory(LOCAL_RIG.format(model=model))).hosts["here"]
+    path = write_inventory(LOCAL_RIG.format(model=model))
+    monkeypatch.setenv("RIG_INVENTORY", str(path))  # the lock the deploy writes goes beside it
+    host_config = load_inventory(path).hosts["here"]
     inventory = Inventory(([pyinfra_host(host_config)], {}))
     state = State(inventory, Config())
     connect_all(state)

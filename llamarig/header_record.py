@@ -1,0 +1,130 @@
+"""A model file's GGUF header as models.lock.yml records it: what the planner reads, trimmed
+and compressed, so that a plan made where the model cannot be read (a CI runner, a laptop
+offline) is the plan the deploy makes.
+
+Trimmed: an array of more than LONG_ARRAY items (the tokenizer's tokens, scores, types and
+merges: most of a header's bytes) is kept as its length only, which is all the planner asks of
+it (the vocabulary size); per-layer arrays, every other value and the whole tensor table stay.
+The rest is JSON, compressed with lzma and written as base64. A record also holds the digest of
+the header bytes it was made from (``GgufHeader.digest``), which tells a stale record from the
+file's own header when the deploy reads that.
+
+A record comes from a file the user commits, so it is read as untrusted input: bounded before
+and after decompression, and checked into the shapes the planner expects."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import lzma
+import re
+from typing import Any
+
+from llamarig.gguf_header import (
+    GGML_TYPES,
+    MAX_DIMS,
+    GgufError,
+    GgufHeader,
+    TensorInfo,
+)
+
+FORMAT = 1
+LONG_ARRAY = 4096
+# Bounds on what a record may expand to: a 27B model's record is about 40 KiB (the tensor
+# table); a header of 10,000 tensors stays well under these.
+MAX_RECORD_CHARS = 4 << 20
+MAX_JSON_BYTES = 32 << 20
+# The longest array a record may claim: vocabularies run to a few hundred thousand tokens.
+MAX_TRIMMED_LENGTH = 1 << 22
+_TRIMMED = "trimmed_array_length"
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def encode(header: GgufHeader) -> str:
+    """``header`` trimmed, as lzma-compressed JSON in base64."""
+    metadata = {
+        key: {_TRIMMED: len(value)}
+        if isinstance(value, list) and len(value) > LONG_ARRAY
+        else value
+        for key, value in header.metadata.items()
+    }
+    document = {
+        "version": header.version,
+        "alignment": header.alignment,
+        "data_offset": header.data_offset,
+        "metadata": metadata,
+        "tensors": [
+            [t.name, list(t.shape), t.ggml_type, t.n_bytes, t.offset] for t in header.tensors
+        ],
+    }
+    packed = lzma.compress(json.dumps(document, separators=(",", ":")).encode())
+    return base64.b64encode(packed).decode("ascii")
+
+
+def decode(record: str, digest: str, name: str) -> GgufHeader:
+    """The header ``record`` (``encode``'s text) holds, with ``digest`` as its digest; a long
+    array comes back as that many None items. Raises GgufError, naming ``name``, for a record
+    that is not one."""
+
+    def broken(why: str) -> GgufError:
+        return GgufError(f"{name}: the recorded header {why}")
+
+    if not isinstance(record, str) or len(record) > MAX_RECORD_CHARS:
+        raise broken(f"is not base64 text of at most {MAX_RECORD_CHARS} characters")
+    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
+        raise broken("has no digest of 64 hex digits")
+    try:
+        packed = base64.b64decode(record, validate=True)
+        unpacker = lzma.LZMADecompressor()
+        text = unpacker.decompress(packed, max_length=MAX_JSON_BYTES)
+        if not unpacker.eof:
+            raise broken(f"is incomplete or expands beyond {MAX_JSON_BYTES} bytes")
+        document = json.loads(text)
+    except (binascii.Error, lzma.LZMAError, ValueError) as error:
+        raise broken(f"cannot be decoded ({error})") from None
+    try:
+        return _header(document, digest, name)
+    except (KeyError, TypeError, ValueError) as error:
+        raise broken(f"is not a header record ({type(error).__name__}: {error})") from None
+
+
+def _header(document: dict, digest: str, name: str) -> GgufHeader:
+    version, alignment, data_offset = (
+        _count(document[key]) for key in ("version", "alignment", "data_offset")
+    )
+    metadata: dict[str, Any] = {}
+    for key, value in document["metadata"].items():
+        if isinstance(value, dict):
+            length = _count(value[_TRIMMED])
+            if length > MAX_TRIMMED_LENGTH:
+                raise ValueError(f"{key} claims {length} items")
+            metadata[key] = [None] * length
+        else:
+            metadata[key] = _plain(value)
+    tensors = []
+    for tensor_name, shape, ggml_type, n_bytes, offset in document["tensors"]:
+        if (
+            not isinstance(tensor_name, str)
+            or ggml_type not in GGML_TYPES
+            or not 1 <= len(shape) <= MAX_DIMS
+        ):
+            raise ValueError(f"tensor {tensor_name!r}")
+        dims = tuple(_count(dim) for dim in shape)
+        tensors.append(TensorInfo(tensor_name, dims, ggml_type, _count(n_bytes), _count(offset)))
+    return GgufHeader(version, metadata, tensors, data_offset, alignment, name, digest)
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{value!r} is not a count")
+    return value
+
+
+def _plain(value: Any) -> Any:
+    """A metadata value as GGUF has them: a number, a bool, a string, or a list of them."""
+    if isinstance(value, list):
+        return [_plain(item) for item in value]
+    if isinstance(value, bool | int | float | str):
+        return value
+    raise ValueError(f"{value!r} is not a GGUF value")
