@@ -278,6 +278,28 @@ class FileHead(FactBase):
         return base64.b64decode(text) if text else None
 
 
+class UrlHead(FactBase):
+    """The first ``size`` bytes of a URL as the host reads it (a model's GGUF header, where
+    the host reaches the model and this machine does not), or None: no curl, no answer, or an
+    error status. ``header_file``: a root-only file of request headers (a Hub token), sent when
+    it exists; curl does not send it across a redirect to another host."""
+
+    def command(self, url: str, size: int, header_file: str | None = None) -> str:
+        auth = ""
+        if header_file:
+            quoted = shlex.quote(header_file)
+            auth = f"$([ -r {quoted} ] && printf '%s' '-H @'{quoted})"
+        return (
+            "command -v curl >/dev/null && "
+            f"curl -sS -f -L --connect-timeout 5 --max-time 60 -r 0-{int(size) - 1} {auth} "
+            f"-- {shlex.quote(url)} | head -c {int(size)} | base64 -w0; echo"
+        )
+
+    def process(self, output):
+        text = "".join(output).strip()
+        return base64.b64decode(text) if text else None
+
+
 class MissingCommands(FactBase):
     """The commands of ``commands`` that are not on the host's PATH.
 

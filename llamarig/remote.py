@@ -20,6 +20,7 @@ from llamarig.facts import (
     MeasuredOverheads,
     NvidiaPciDevices,
     NvidiaSmiGpus,
+    UrlHead,
 )
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
 from llamarig.model_lock import header_key, lock_path, recorded_header
@@ -31,7 +32,7 @@ from llamarig.plan import (
     load_header,
     url_headers,
 )
-from llamarig.render import OVERHEADS_DIR
+from llamarig.render import HUB_TOKEN_HEADER_PATH, OVERHEADS_DIR
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,11 @@ def _model_header(gathered: Gathered, data: dict, reader: Reader | None) -> None
         heads = [(host_header(reader, file), file.dest) for file in files]
         merged, note = header_from_host(heads, note)
         headers = [head for head, _ in heads] if merged else []
+        if not headers and all(file.url for file in files):
+            # Not on the host yet: the host may reach the URL where this machine cannot.
+            from_host = [host_url_header(reader, file) for file in files]
+            if all(isinstance(head, GgufHeader) for head in from_host):
+                headers = from_host
     if not headers:
         if all(locked):  # not readable yet (the file is not on the host): the record plans
             gathered.header, gathered.header_source = merge_split(locked), str(lock)
@@ -260,6 +266,30 @@ def _model_header(gathered: Gathered, data: dict, reader: Reader | None) -> None
                     f"file's (digest {record.digest[:12]} against {header.digest[:12]}): "
                     "planned with the file's, and recorded again by a deploy or `llamarig lock`"
                 )
+
+
+def host_url_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:
+    """The GGUF header of a model file's URL as the host reads it (with the Hub token's header
+    file where the host has one), kept on this machine by the file's sha256; None when the
+    host reads nothing."""
+    kept = header_cache.cached(file.sha256, name=file.url)
+    if kept is not None:
+        return kept
+    header: GgufHeader | GgufError | None = None
+    for size in (HOST_HEADER_FIRST_READ, HOST_HEADER_READ):
+        head = reader(UrlHead, url=file.url, size=size, header_file=HUB_TOKEN_HEADER_PATH)
+        if not head:
+            return None
+        try:
+            header = read_gguf_header(head, name=file.url)
+            break
+        except GgufError as error:
+            header = error
+            if len(head) < size:
+                break
+    if isinstance(header, GgufHeader):
+        header_cache.keep(file.sha256, head, header)
+    return header
 
 
 def host_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:

@@ -27,6 +27,10 @@ RPC_SERVER = "ggml-rpc-server"
 # checks (curl -H @FILE keeps the key out of every command line).
 API_KEY_PATH = "/etc/llamarig/api-key"
 API_KEY_HEADER_PATH = "/etc/llamarig/api-key.header"
+# The Hugging Face token's only copy on a host: root's alone, in a directory only root may
+# enter, read by curl as a header file (the model download; the plan's header read).
+HUB_TOKEN_DIRECTORY = "/etc/llamarig/hub"
+HUB_TOKEN_HEADER_PATH = f"{HUB_TOKEN_DIRECTORY}/authorization-header"
 # What nvidia-smi showed per GPU beyond the plan's buffers after a start, one file per build and
 # split mode (`BUILD.MODE`: the MiB of each used GPU, in the plan's device order).
 OVERHEADS_DIR = "/var/lib/llamarig/gpu-overheads"

@@ -6,15 +6,14 @@ import io
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 
-from llamarig import operations, stage
+from llamarig import operations, render, stage
 from llamarig.config.derived import model_files
 from llamarig.hubref import read_token
 
-# The Hugging Face token's only copy on a host: root's alone, read by curl as a header file.
-# It is uploaded into a directory only root may enter, so no one else can read it even before
-# its own mode is set.
-TOKEN_DIRECTORY = "/etc/llamarig/hub"
-TOKEN_HEADER_FILE = f"{TOKEN_DIRECTORY}/authorization-header"
+# The token is uploaded into a directory only root may enter, so no one else can read it even
+# before its own mode is set.
+TOKEN_DIRECTORY = render.HUB_TOKEN_DIRECTORY
+TOKEN_HEADER_FILE = render.HUB_TOKEN_HEADER_PATH
 
 
 @api.deploy("tasks/model.py")

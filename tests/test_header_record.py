@@ -321,3 +321,44 @@ def test_recording_keeps_the_references_and_replaces_only_its_own_entry(tmp_path
     assert model_lock.read_lock(lock) == [reference]
     assert recorded_header(lock, key).block_count == 32
     assert lock.read_text().startswith("# The commits llamarig resolved")
+
+
+def test_the_host_reads_the_header_where_this_machine_cannot(
+    tmp_path, file_server, qwen27b, monkeypatch
+):
+    """The model's URL is out of this machine's reach (stand-in: its header read raises, as
+    behind a proxy that refuses) but not of the host's: the host's curl reads the header
+    (a local host here, through the shell reader the CLI uses), so the first plan is already
+    the final one - and the deploy's first converge installs the final unit."""
+    import urllib.error
+
+    from llamarig import plan as planner
+    from llamarig.remote import shell_reader
+
+    root, base = file_server
+    (root / qwen27b.name).write_bytes(qwen27b.read_bytes())
+    data = inventory_host("example-5080-3090.yml", "rig1")
+    data["ssh"] = {"local": True}
+    data["model"].update(
+        url=f"{base}/{qwen27b.name}", sha256=hashlib.sha256(qwen27b.read_bytes()).hexdigest()
+    )
+    data["paths"]["models"] = str(tmp_path / "models")  # not downloaded yet
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text("all: {}\n")
+    monkeypatch.setenv("RIG_INVENTORY", str(inventory))
+
+    def unreachable(url, *_, **__):
+        raise urllib.error.URLError(f"this machine cannot reach {url}")
+
+    monkeypatch.setattr(planner, "fetch_header", unreachable)
+    blind = gather(data, None, gpus=False)
+    assert blind.header is None and "this machine cannot reach" in blind.header_note
+    assert plan_host("rig1", copy.deepcopy(data), blind.header).blind
+
+    found = gather(data, shell_reader(data), gpus=False)
+    assert found.header is not None, found.header_note
+    assert [key for key, _ in found.read] == [{"sha256": data["model"]["sha256"]}]
+    final = plan_host("rig1", copy.deepcopy(data), found.header)
+    direct = plan_host("rig1", copy.deepcopy(data), read_gguf_header_file(qwen27b))
+    assert not final.blind and final.report() == direct.report()
+    assert final.resolved["server"]["split_mode"] == "tensor"
