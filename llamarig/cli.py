@@ -107,7 +107,7 @@ def _lock(args: argparse.Namespace) -> int:
         for warning in gathered.warnings:
             print(f"{name}: {warning}", file=sys.stderr)
         for key, header in gathered.read:
-            record_header(lock, key, header)
+            record_header(lock, key, header, gathered.superseded)
             print(f"{name}: recorded the header of {next(iter(key.values()))} in {lock}")
         if not gathered.read:
             print(f"{name}: {lock} holds the header of every model file already")

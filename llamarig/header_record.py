@@ -63,7 +63,8 @@ def encode(header: GgufHeader) -> str:
 
 
 def decode(record: str, digest: str, name: str) -> GgufHeader:
-    """The header ``record`` (``encode``'s text) holds, with ``digest`` as its digest; a long
+    """The header ``record`` (``encode``'s text) holds, with ``digest`` as its digest ("" for a
+    declared header, made from a model's published configuration rather than read); a long
     array comes back as that many None items. Raises GgufError, naming ``name``, for a record
     that is not one."""
 
@@ -72,8 +73,8 @@ def decode(record: str, digest: str, name: str) -> GgufHeader:
 
     if not isinstance(record, str) or len(record) > MAX_RECORD_CHARS:
         raise broken(f"is not base64 text of at most {MAX_RECORD_CHARS} characters")
-    if not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
-        raise broken("has no digest of 64 hex digits")
+    if not isinstance(digest, str) or (digest and not _DIGEST.fullmatch(digest)):
+        raise broken("has a digest that is not 64 hex digits")
     try:
         packed = base64.b64decode(record, validate=True)
         unpacker = lzma.LZMADecompressor()
@@ -128,3 +129,25 @@ def _plain(value: Any) -> Any:
     if isinstance(value, bool | int | float | str):
         return value
     raise ValueError(f"{value!r} is not a GGUF value")
+
+
+def differences(declared: GgufHeader, read: GgufHeader) -> list[str]:
+    """What a declared header says otherwise than the file's own: each metadata value (an array
+    by its length where the record kept only that) and the tensor table."""
+
+    def plain(value: Any) -> Any:
+        return ("array of", len(value)) if isinstance(value, list) and len(value) > 64 else value
+
+    found = []
+    for key in sorted(set(declared.metadata) | set(read.metadata)):
+        mine, theirs = plain(declared.metadata.get(key)), plain(read.metadata.get(key))
+        if mine != theirs:
+            found.append(f"{key}: {mine!r} declared, {theirs!r} in the file")
+    if declared.tensors != read.tensors:
+        names = {t.name: t for t in declared.tensors}
+        other = next((t for t in read.tensors if names.get(t.name) != t), None)
+        found.append(
+            f"tensors: {len(declared.tensors)} declared, {len(read.tensors)} in the file"
+            + (f" (first that differs: {other.name} {other.shape})" if other else "")
+        )
+    return found

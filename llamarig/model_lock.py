@@ -165,28 +165,43 @@ def write_entry(path: Path, entry: dict) -> None:
 
 
 def _header_entry_problem(entry: object) -> str | None:
-    if not isinstance(entry, dict) or set(entry) != {"file", "digest", "format", "record"}:
-        return "not a mapping of exactly `file`, `digest`, `format` and `record`"
+    shape = "a mapping of `file`, `format`, `record` and one of `digest` or `declared`"
+    if not isinstance(entry, dict) or set(entry) not in (
+        {"file", "digest", "format", "record"},
+        {"file", "declared", "format", "record"},
+    ):
+        return f"not {shape}"
     if _file_key_problem(entry["file"]):
         return _file_key_problem(entry["file"])
     if entry["format"] != header_record.FORMAT:
         return f"format {entry['format']!r} is not {header_record.FORMAT}"
-    if not isinstance(entry["digest"], str) or not _SHA256.fullmatch(entry["digest"]):
+    if "digest" in entry and not (
+        isinstance(entry["digest"], str) and _SHA256.fullmatch(entry["digest"])
+    ):
         return f"digest {entry['digest']!r} is not 64 hex digits"
+    if "declared" in entry and not (
+        isinstance(entry["declared"], str) and 0 < len(entry["declared"]) <= 500
+    ):
+        return "declared is not the text of where the header's values come from"
     if not isinstance(entry["record"], str):
         return "record is not text"
     return None
 
 
 def _file_key_problem(key: object) -> str | None:
-    if isinstance(key, dict) and list(key) == ["sha256"]:
-        if isinstance(key["sha256"], str) and _SHA256.fullmatch(key["sha256"]):
-            return None
-    if isinstance(key, dict) and list(key) == ["host_path"]:
-        path = key["host_path"]
-        if isinstance(path, str) and path.startswith("/") and "\n" not in path:
-            return None
-    return f"file {key!r} is not {{sha256: 64 hex digits}} or {{host_path: /absolute/path}}"
+    if isinstance(key, dict) and len(key) == 1:
+        [(kind, value)] = key.items()
+        if isinstance(value, str) and "\n" not in value:
+            if kind == "sha256" and _SHA256.fullmatch(value):
+                return None
+            if kind == "host_path" and value.startswith("/"):
+                return None
+            if kind == "url" and re.fullmatch(r"https?://\S+", value):
+                return None
+    return (
+        f"file {key!r} is not {{sha256: 64 hex digits}}, {{host_path: /absolute/path}} or "
+        "{url: http(s)://...} (a declared header)"
+    )
 
 
 def header_key(file: ModelFile) -> dict:
@@ -194,14 +209,23 @@ def header_key(file: ModelFile) -> dict:
     return {"sha256": file.sha256} if file.sha256 else {"host_path": file.dest}
 
 
-def recorded_header(path: Path, key: dict) -> GgufHeader | None:
-    """The header recorded under ``key`` (``header_key``), or None. Raises GgufError, naming
-    the lock file and the fix, for a record that cannot be decoded."""
+def declared_key(file: ModelFile) -> dict | None:
+    """What a header declared for a file's URL is recorded under (before the file is read)."""
+    return {"url": file.url} if file.url else None
+
+
+def recorded_header(path: Path, key: dict | None) -> GgufHeader | None:
+    """The header recorded under ``key`` (``header_key`` or ``declared_key``), or None. A
+    declared header has no digest. Raises GgufError, naming the lock file and the fix, for a
+    record that cannot be decoded."""
     for entry in _read_document(path)["headers"]:
-        if entry["file"] == key:
-            name = f"{path} (header of {next(iter(key.values()))})"
+        if key is not None and entry["file"] == key:
+            what = next(iter(key.values()))
+            name = f"{path} (header of {what}" + (
+                f", declared from {entry['declared']})" if "declared" in entry else ")"
+            )
             try:
-                return header_record.decode(entry["record"], entry["digest"], name)
+                return header_record.decode(entry["record"], entry.get("digest", ""), name)
             except GgufError as error:
                 raise GgufError(
                     f"{error}: delete that entry of `headers:`; `llamarig lock` records it again"
@@ -209,14 +233,17 @@ def recorded_header(path: Path, key: dict) -> GgufHeader | None:
     return None
 
 
-def record_header(path: Path, key: dict, header: GgufHeader) -> bool:
+def record_header(path: Path, key: dict, header: GgufHeader, superseded: list[dict] = ()) -> bool:
     """Record ``header`` (read from the file) under ``key``, replacing an entry with another
-    digest; False when the same header was recorded already."""
+    digest and the entries of ``superseded`` (declared ones the file now speaks for); False when
+    the same header was recorded already."""
     document = _read_document(path)
     entries = document["headers"]
-    if any(e["file"] == key and e["digest"] == header.digest for e in entries):
+    if any(e["file"] == key and e.get("digest") == header.digest for e in entries) and not any(
+        e["file"] in superseded for e in entries
+    ):
         return False
-    entries = [e for e in entries if e["file"] != key]
+    entries = [e for e in entries if e["file"] != key and e["file"] not in superseded]
     entries.append(
         {
             "file": key,
@@ -228,6 +255,25 @@ def record_header(path: Path, key: dict, header: GgufHeader) -> bool:
     entries.sort(key=lambda e: sorted(e["file"].items()))
     _write_document(path, {**document, "headers": entries})
     return True
+
+
+def declare_header(path: Path, url: str, header: GgufHeader, source: str) -> None:
+    """Record ``header``, built from ``source`` (a model's published configuration) rather than
+    read, as the declared header of the file at ``url``; the first deploy that reads the file
+    checks it and records the file's own."""
+    document = _read_document(path)
+    key = {"url": url}
+    entries = [e for e in document["headers"] if e["file"] != key]
+    entries.append(
+        {
+            "file": key,
+            "declared": source,
+            "format": header_record.FORMAT,
+            "record": header_record.encode(header),
+        }
+    )
+    entries.sort(key=lambda e: sorted(e["file"].items()))
+    _write_document(path, {**document, "headers": entries})
 
 
 def recorded(model: dict, lock: Path, update: bool) -> dict:

@@ -453,6 +453,7 @@ def plan_host(
     gpu_source: str = "probed",
     driver_version: str | None = None,
     measured_overheads: dict | None = None,
+    header_declared: str = "",
 ) -> HostPlan:
     """Plan one host. ``probed_gpus`` (nvidia-smi or PCI records) win over the declaration,
     which is then checked against them."""
@@ -505,6 +506,11 @@ def plan_host(
         )
 
     plan = HostPlan(name, resolved, gpus, source, architectures, None, errors, warnings)
+    if header_declared:
+        plan.notes.append(
+            f"the model's header is declared, not read: {header_declared}; the first deploy "
+            "that reads the file checks it"
+        )
     shares = server["tensor_split"]
     n_gpus = sum(1 for share in shares if share) if isinstance(shares, list) else len(gpus)
     server["split_mode"], plan.split_mode_reason = choose_split_mode(

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamarig import header_cache
+from llamarig import header_cache, header_record
 from llamarig.config import HostConfig, expand_path, strict_host_key_checking
 from llamarig.config.derived import ModelFile, model_files
 from llamarig.facts import (
@@ -23,7 +23,7 @@ from llamarig.facts import (
     UrlHead,
 )
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
-from llamarig.model_lock import header_key, lock_path, recorded_header
+from llamarig.model_lock import declared_key, header_key, lock_path, recorded_header
 from llamarig.plan import (
     HOST_HEADER_FIRST_READ,
     HOST_HEADER_READ,
@@ -180,8 +180,11 @@ class Gathered:
     warnings: list[str] = field(default_factory=list)  # PCI ids not in llamarig's table
     measured_overheads: dict | None = None  # what the deploy measured after earlier starts
     header_source: str = ""  # models.lock.yml when the header came from its record
+    header_declared: str = ""  # where a declared header's values come from (none read)
     # headers read from the model's files that models.lock.yml does not hold: (key, header)
     read: list[tuple[dict, GgufHeader]] = field(default_factory=list)
+    # declared headers (keys) that the files' own headers in ``read`` replace
+    superseded: list[dict] = field(default_factory=list)
 
     def plan_inputs(self) -> dict:
         return {
@@ -191,6 +194,7 @@ class Gathered:
             "gpu_source": self.gpu_source,
             "driver_version": self.driver_version,
             "measured_overheads": self.measured_overheads,
+            "header_declared": self.header_declared,
         }
 
 
@@ -229,11 +233,15 @@ def _model_header(gathered: Gathered, data: dict, reader: Reader | None) -> None
     keys = [header_key(file) for file in files]
     lock = lock_path()
     try:
-        locked = [recorded_header(lock, key) for key in keys]
+        locked = [
+            recorded_header(lock, key) or recorded_header(lock, declared_key(file))
+            for key, file in zip(keys, files, strict=True)
+        ]
     except GgufError as error:
         locked, gathered.warnings = [None] * len(files), [*gathered.warnings, str(error)]
     pinned = all(file.sha256 for file in files)
-    if all(locked) and (pinned or reader is None):
+    declared = any(record is not None and not record.digest for record in locked)
+    if all(locked) and not declared and (pinned or reader is None):
         gathered.header, gathered.header_source = merge_split(locked), str(lock)
         return
     headers, note = url_headers(data)
@@ -249,6 +257,9 @@ def _model_header(gathered: Gathered, data: dict, reader: Reader | None) -> None
     if not headers:
         if all(locked):  # not readable yet (the file is not on the host): the record plans
             gathered.header, gathered.header_source = merge_split(locked), str(lock)
+            gathered.header_declared = "; ".join(
+                dict.fromkeys(r.source for r in locked if not r.digest)
+            )
         else:
             gathered.header_note = note
         return
@@ -257,15 +268,26 @@ def _model_header(gathered: Gathered, data: dict, reader: Reader | None) -> None
     except GgufError as error:
         gathered.header_note = str(error)
         return
-    for key, header, record in zip(keys, headers, locked, strict=True):
+    for key, header, record, file in zip(keys, headers, locked, files, strict=True):
         if record is None or record.digest != header.digest:
             gathered.read.append((key, header))
-            if record is not None:
-                gathered.warnings.append(
-                    f"{lock}: the recorded header of {next(iter(key.values()))} is not the "
-                    f"file's (digest {record.digest[:12]} against {header.digest[:12]}): "
-                    "planned with the file's, and recorded again by a deploy or `llamarig lock`"
-                )
+        if record is None or record.digest == header.digest:
+            continue
+        what = next(iter(key.values()))
+        if record.digest:
+            gathered.warnings.append(
+                f"{lock}: the recorded header of {what} is not the file's (digest "
+                f"{record.digest[:12]} against {header.digest[:12]}): planned with the file's, "
+                "and recorded again by a deploy or `llamarig lock`"
+            )
+            continue
+        gathered.superseded.append(declared_key(file))
+        differ = header_record.differences(record, header)
+        gathered.warnings.append(
+            f"{record.source}: the file's header "
+            + (f"differs: {'; '.join(differ)}; planned with the file's" if differ else "agrees")
+            + ", which a deploy or `llamarig lock` records in its place"
+        )
 
 
 def host_url_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:

@@ -73,7 +73,7 @@ def plan() -> HostPlan:
             host.noop(warning)
         lock = lock_path()
         for key, header in gathered.read:  # what a plan elsewhere needs, as --update-models
-            if record_header(lock, key, header):
+            if record_header(lock, key, header, gathered.superseded):
                 host.noop(f"recorded the GGUF header of {next(iter(key.values()))} in {lock}")
         _plans[host.name] = plan_host(host.name, data, **gathered.plan_inputs())
         if _plans[host.name].provisional:  # shown without -v: the unit may change later

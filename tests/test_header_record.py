@@ -287,7 +287,10 @@ def test_a_broken_record_is_refused_naming_the_lock_and_the_fix(tmp_path, text, 
     ("text", "words"),
     [
         ("headers: {}", "has a `headers:` that is not a list"),
-        ("headers: [{file: {sha256: x}}]", "not a mapping of exactly `file`, `digest`"),
+        (
+            "headers: [{file: {sha256: x}}]",
+            "not a mapping of `file`, `format`, `record` and one of `digest`",
+        ),
         (entry_text("x", key="host_path: relative/m.gguf"), "is not {sha256: 64 hex digits}"),
         (entry_text("x", digest="$(id)"), "digest '$(id)' is not 64 hex digits"),
     ],
@@ -362,3 +365,68 @@ def test_the_host_reads_the_header_where_this_machine_cannot(
     direct = plan_host("rig1", copy.deepcopy(data), read_gguf_header_file(qwen27b))
     assert not final.blind and final.report() == direct.report()
     assert final.resolved["server"]["split_mode"] == "tensor"
+
+
+def test_the_seed_rig_plans_whole_offline_from_its_declared_header(tmp_path):
+    """The shipped lock declares Qwen3.6-27B's header for the seed's URL (built from its
+    published configuration: scripts/declared_headers.py): offline, with no header cache, the
+    seed plans -sm tensor -ts 2,3 with its memory per GPU; without the lock it is provisional."""
+    seed = PROJECT / "inventory" / "example-5080-3090.yml"
+    result = llamarig(seed, "plan", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    host = json.loads(result.stdout)["hosts"]["rig1"]
+    assert host["split_mode"] == "tensor" and host["tensor_split"] == [2, 3]
+    assert host["provisional"] == [] and host["fits"]
+    assert [d["name"] for d in host["devices"]] == [
+        "NVIDIA GeForce RTX 5080",
+        "NVIDIA GeForce RTX 3090",
+    ]
+    assert all(device["planned_mib"] > 10_000 for device in host["devices"])
+    report = llamarig(seed, "plan").stdout
+    assert "the model's header is declared, not read: " in report
+    assert "Qwen/Qwen3.6-27B's model card and config.json" in report
+
+    alone = tmp_path / "example-5080-3090.yml"
+    alone.write_text(seed.read_text())
+    provisional = llamarig(alone, "plan")
+    assert provisional.returncode == 3 and "== rig1: PROVISIONAL" in provisional.stdout
+
+
+def test_the_declared_headers_are_what_the_script_writes():
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.declared_headers", "--check"],
+        cwd=PROJECT,
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_declared_header_is_checked_against_the_file_and_replaced(
+    tmp_path, file_server, llama_8b, monkeypatch
+):
+    root, base = file_server
+    (root / llama_8b.name).write_bytes(llama_8b.read_bytes())
+    data = inventory_host("gpu-h200-systemd.yml", "h200-systemd")
+    url = f"{base}/{llama_8b.name}"
+    data["model"].update(
+        url=url, path=None, sha256=hashlib.sha256(llama_8b.read_bytes()).hexdigest()
+    )
+    inventory = tmp_path / "hosts.yml"
+    inventory.write_text("all: {}\n")
+    monkeypatch.setenv("RIG_INVENTORY", str(inventory))
+    lock = tmp_path / model_lock.LOCK_NAME
+    wrong = write_llama(tmp_path / "wrong.gguf", 30, 4096, 14336, 32, 8, 128256, 131072, "q8_0")
+    model_lock.declare_header(lock, url, read_gguf_header_file(wrong), "a wrong model card")
+
+    found = gather(data, None, gpus=False)  # the URL answers: the file's header is read
+    assert found.header.block_count == 32
+    [warning] = [w for w in found.warnings if "declared from a wrong model card" in w]
+    assert "the file's header differs: llama.block_count: 30 declared, 32 in the file" in warning
+    assert "tensors: 273 declared, 291 in the file" in warning
+    assert found.superseded == [{"url": url}]
+    key, header = found.read[0]
+    assert record_header(lock, key, header, found.superseded)
+    assert recorded_header(lock, {"url": url}) is None  # the declaration is gone
+    assert recorded_header(lock, key).block_count == 32
+    assert gather(data, None, gpus=False).read == []  # recorded: nothing new to record
