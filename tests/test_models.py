@@ -659,6 +659,35 @@ class TestPlanCommand:
         model_argument = planned["server_args"][planned["server_args"].index("-m") + 1]
         assert model_argument == "/opt/llamarig/models/tiny-00001-of-00003.gguf"
 
+    def test_a_reference_plans_the_same_from_its_recorded_headers(
+        self, write_inventory, stand_in, split_repo, monkeypatch, capsys, tmp_path
+    ):
+        """The shards' headers recorded by `llamarig lock`: with the Hub's files out of reach
+        and no header cache, the plan is the one made from the files, byte for byte."""
+        import shutil
+        import urllib.error
+
+        from llamarig import plan as planner
+        from llamarig.cli import main
+
+        text = model_yaml(
+            hf="org/tiny", file="split/tiny-00001-of-00003.gguf", endpoint=stand_in.url
+        )
+        monkeypatch.setenv("RIG_INVENTORY", str(write_inventory(text)))
+        monkeypatch.setenv("LLAMARIG_HEADER_CACHE", str(tmp_path / "cache"))
+        assert main(["plan", "--json"]) == 0
+        from_files = capsys.readouterr().out
+        assert main(["lock"]) == 0
+        assert capsys.readouterr().out.count("rig1: recorded the header of") == 3
+        shutil.rmtree(tmp_path / "cache")
+
+        def unreachable(url, *_, **__):
+            raise urllib.error.URLError(f"cannot reach {url}")
+
+        monkeypatch.setattr(planner, "fetch_header", unreachable)
+        assert main(["plan", "--json"]) == 0
+        assert capsys.readouterr().out == from_files
+
     def test_plan_refuses_a_reference_that_does_not_resolve_naming_file_and_key(
         self, write_inventory, stand_in, monkeypatch, capsys
     ):
