@@ -198,6 +198,11 @@ GUARDED = (
         "{enable_thinking: false}",
     ),
     Guarded(
+        ("-a", "--alias"),
+        ("LLAMA_ARG_ALIAS",),
+        "is planned from `server.alias` (the model's name for clients): set `server.alias`",
+    ),
+    Guarded(
         ("--metrics",),
         ("LLAMA_ARG_ENDPOINT_METRICS",),
         "is planned from `server.metrics`: set `server.metrics: true`",

@@ -406,7 +406,7 @@ def test_escape_hatches_still_carry_what_llamarig_does_not_plan(tmp_path):
     negation of `--host`, and a value that looks like an option is not read as one."""
     text = host(
         "server:",
-        "  extra_args: [--temp, '0.7', --no-host, -lv, '4', --alias, 'my-model', --no-warmup]",
+        "  extra_args: [--temp, '0.7', --no-host, -lv, '4', --tags, 'team-a', --no-warmup]",
         "  env: {NCCL_NVLS_ENABLE: '0', LLAMA_ARG_TEMPERATURE: '0.6', GGML_CUDA_GRAPHS: '1'}",
     )
     path = tmp_path / "rig.yml"

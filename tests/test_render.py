@@ -232,3 +232,51 @@ def test_an_unplanned_split_mode_is_never_rendered(seed_rig):
     seed_rig["server"]["split_mode"] = "auto"
     with pytest.raises(ValueError, match="resolved by the plan"):
         render.server_args(seed_rig)
+
+
+@pytest.mark.parametrize(
+    ("model", "alias"),
+    [
+        ({"url": "http://h/SmolLM2-135M-Instruct.Q4_1.gguf"}, "SmolLM2-135M-Instruct"),
+        ({"url": "http://h/Qwen2.5-32B-Instruct-IQ2_XXS.gguf"}, "Qwen2.5-32B-Instruct"),
+        ({"url": "http://h/m-Q4_K_M-00001-of-00003.gguf"}, "m"),
+        ({"url": "http://h/x.BF16.gguf"}, "x"),
+        ({"path": "/srv/tiny-llama.gguf"}, "tiny-llama"),
+        (
+            {"hf": "HuggingFaceTB/SmolLM2-135M-Instruct-GGUF", "file": "a.gguf"},
+            "SmolLM2-135M-Instruct",
+        ),
+        # a file name that is valid but no name for clients: made one, without a comma
+        ({"url": "http://h/a,b 'c' $(id).gguf"}, "a-b-c-id"),
+    ],
+)
+def test_the_model_alias_is_a_name_clients_can_type(model, alias):
+    data = {
+        "server": {"alias": None},
+        "model": {"hf": None, "filename": None, "url": None, "path": None, **model},
+    }
+    assert render.model_alias(data) == alias
+    data["server"]["alias"] = "qwen3.6-27b"
+    assert render.model_alias(data) == "qwen3.6-27b"
+
+
+def test_the_alias_is_on_the_command_line_and_an_unsafe_one_is_refused(write_inventory):
+    from llamarig.config import ConfigError
+
+    base = """all:
+  hosts:
+    rig1:
+      ssh: {host: 10.0.0.1}
+      model: {path: /srv/m.gguf}
+      driver: {source: none}
+      cuda: {source: none}
+      llama_cpp: {backend: cpu}
+"""
+    rig = base + "      server: {alias: team/qwen-27b, split_mode: none}\n"
+    data = load_inventory(write_inventory(rig)).hosts["rig1"].data
+    args = render.server_args(data)
+    assert args[args.index("--alias") + 1] == "team/qwen-27b"
+    for hostile in ("a,b", "two words", "$(id)", "-lv"):
+        with pytest.raises(ConfigError) as caught:
+            load_inventory(write_inventory(base + f"      server: {{alias: '{hostile}'}}\n"))
+        assert "hosts.rig1.server.alias" in "\n".join(caught.value.problems)

@@ -94,6 +94,24 @@ def test_smollm2_answers_the_demo_question(sandbox_info):
     assert results["totals"]["success"] == 0, changed_operations(results)
 
 
+def test_an_openai_client_asks_the_model_by_its_alias(sandbox_info):
+    """What a team's code does: the OpenAI Python client lists the model by the name the rig
+    gives it (server.alias, derived from the file name) and asks it by that name."""
+    from openai import OpenAI
+
+    client = OpenAI(
+        base_url="http://127.0.0.1:8080/v1", api_key="no-key", timeout=120, max_retries=0
+    )
+    assert [model.id for model in client.models.list().data] == ["SmolLM2-135M-Instruct"]
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct",
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=16,
+        temperature=0,
+    )
+    assert "Paris" in reply.choices[0].message.content, reply
+
+
 def test_the_demo_ends_with_the_real_answer(sandbox_info):
     """The last line of `make demo`, as the Makefile runs it."""
     makefile = (PROJECT / "Makefile").read_text()

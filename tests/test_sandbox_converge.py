@@ -107,6 +107,10 @@ def test_first_converge_serves_completions(sandbox_info):
     assert cmdline.split() == render.server_args(data)
     user = in_sandbox(sandbox_info, f"ps -o user= -p {main_pid(sandbox_info)}")
     assert user != "root"
+    # OpenAI clients see the model by a name they can type (server.alias, derived here).
+    with urllib.request.urlopen("http://127.0.0.1:8080/v1/models", timeout=60) as response:
+        listed = [model["id"] for model in json.load(response)["data"]]
+    assert listed == ["SmolLM2-135M-Instruct"], listed
 
 
 def test_second_converge_changes_nothing(sandbox_info):
