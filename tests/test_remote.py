@@ -220,3 +220,30 @@ def test_the_deploy_and_the_cli_read_the_same(write_inventory, tmp_path, monkeyp
     planned = plan_host("@local", data, **gather(data, shell_reader(data)).plan_inputs())
     assert "GPU memory" in deployed.errors[0]  # the header was read: its weights do not fit
     assert deployed.errors == planned.errors and deployed.resolved == planned.resolved
+
+
+def test_the_deploy_says_a_provisional_plan_without_verbose(
+    write_inventory, tmp_path, monkeypatch, caplog
+):
+    """A deploy whose plan had no header (the file is not on the host, no URL, no record) says
+    so at warning level, which pyinfra prints without -v, and records nothing."""
+    path = write_inventory(LOCAL_RIG.format(model=tmp_path / "absent.gguf"))
+    monkeypatch.setenv("RIG_INVENTORY", str(path))
+    host_config = load_inventory(path).hosts["here"]
+    inventory = Inventory(([pyinfra_host(host_config)], {}))
+    state = State(inventory, Config())
+    connect_all(state)
+    monkeypatch.setattr(stage, "_rigs", {})
+    monkeypatch.setattr(stage, "_plans", {})
+    with (
+        caplog.at_level("WARNING"),
+        ctx_state.use(state),
+        ctx_host.use(inventory.get_host("@local")),
+    ):
+        deployed = stage.plan()
+    assert deployed.blind == ["memory per GPU"]
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any(
+        "provisional: memory per GPU chosen without the model's GGUF header" in s for s in said
+    ), said
+    assert not (tmp_path / "models.lock.yml").exists()
