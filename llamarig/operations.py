@@ -9,7 +9,7 @@ import re
 import shlex
 import time
 from io import BytesIO
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import IO
 
 from pyinfra import host, logger, state
@@ -25,7 +25,7 @@ from pyinfra.facts.files import Directory, File, FileContents, Link
 from pyinfra.facts.git import GitLocalCommit
 from pyinfra.operations.util.files import generate_color_diff
 
-from llamarig import checksums, pace, progress
+from llamarig import checksums, model_lock, pace, progress
 from llamarig.answers import Answer, verdict
 from llamarig.answers import check_command as answer_check_command
 from llamarig.answers import parse_output as parse_answer_output
@@ -950,6 +950,37 @@ if [ -n "$unknown" ]; then
   exit 1
 fi
 """.strip()
+
+
+@operation(is_idempotent=False)
+def record_headers(lock: str, read: list, superseded: list):
+    """
+    Record GGUF headers in ``lock`` (models.lock.yml, on this machine, beside the inventory):
+    what the plan read from the model's files, so that a plan made where the model cannot be
+    read is this one. Nothing when there is nothing new.
+
+    + lock: the lock file's path on this machine
+    + read: ``(key, header)`` pairs (``model_lock.header_key``, ``GgufHeader``)
+    + superseded: keys of declared records the files' own headers replace
+
+    **Example:**
+
+    .. code:: python
+
+        record_headers(lock="inventory/models.lock.yml", read=gathered.read, superseded=[])
+    """
+    if not read:
+        return
+
+    def record(state, host) -> bool:
+        for key, header in read:
+            if model_lock.record_header(Path(lock), key, header, superseded):
+                host.log(
+                    f"llamarig: recorded the GGUF header of {next(iter(key.values()))} in {lock}"
+                )
+        return True
+
+    yield FunctionCommand(record, (), {})
 
 
 # How often a drain polls the slots, and how often it says what it waits for.

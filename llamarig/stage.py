@@ -39,13 +39,16 @@ from llamarig.facts import (
     prefetch,
 )
 from llamarig.hubref import HubError
-from llamarig.model_lock import lock_path, record_header, resolved
+from llamarig.model_lock import lock_path, resolved
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools
 from llamarig.plan import HostPlan, plan_host
 from llamarig.remote import gather
 
 _rigs: dict[str, dict] = {}
 _plans: dict[str, HostPlan] = {}
+# The headers each host's plan read from the model's files: (key, header), and the declared
+# records they replace.
+_headers_read: dict[str, tuple[list, list]] = {}
 
 
 def rig() -> dict:
@@ -71,14 +74,24 @@ def plan() -> HostPlan:
         gathered = gather(data, known, gpus=data["llama_cpp"]["backend"] == "cuda")
         for warning in gathered.warnings:
             host.noop(warning)
-        lock = lock_path()
-        for key, header in gathered.read:  # what a plan elsewhere needs, as --update-models
-            if record_header(lock, key, header, gathered.superseded):
-                host.noop(f"recorded the GGUF header of {next(iter(key.values()))} in {lock}")
+        _headers_read[host.name] = gathered.read, gathered.superseded
         _plans[host.name] = plan_host(host.name, data, **gathered.plan_inputs())
         if _plans[host.name].provisional:  # shown without -v: the unit may change later
             host.log_styled(_plans[host.name].provisional, fg="yellow", log_func=logger.warning)
     return _plans[host.name]
+
+
+def record_headers() -> OperationMeta:
+    """Record in models.lock.yml the model headers this host's plan read from the files, once
+    the model stage has checked them (an operation after the downloads: a file that fails its
+    sha256 leaves no record, and a dry run writes none)."""
+    read, superseded = _headers_read.get(host.name, ([], []))
+    return operations.record_headers(
+        name="Record the model's GGUF header(s) in models.lock.yml (for plans made elsewhere)",
+        lock=str(lock_path()),
+        read=read,
+        superseded=superseded,
+    )
 
 
 def read_system() -> None:

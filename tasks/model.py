@@ -35,6 +35,7 @@ def deploy() -> list[OperationMeta]:
                 sha256=shard.sha256,
                 rehash=model["rehash"],
             )
+        stage.record_headers()
         return []
     operations.directory(name="Models directory", path=rig["paths"]["models"], mode="755")
     header_file = None
@@ -62,7 +63,7 @@ def deploy() -> list[OperationMeta]:
             path=shard.dest,
             rehash=model["rehash"],
         )
-    return [
+    downloads = [
         operations.fetch_checked(
             name=f"Model {shard.dest} (sha256 checked)",
             url=shard.url,
@@ -72,3 +73,5 @@ def deploy() -> list[OperationMeta]:
         )
         for shard in shards
     ]
+    stage.record_headers()
+    return downloads

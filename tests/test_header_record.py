@@ -430,3 +430,23 @@ def test_a_declared_header_is_checked_against_the_file_and_replaced(
     assert recorded_header(lock, {"url": url}) is None  # the declaration is gone
     assert recorded_header(lock, key).block_count == 32
     assert gather(data, None, gpus=False).read == []  # recorded: nothing new to record
+
+
+def test_the_deploy_records_what_its_plan_read_once_the_files_are_checked(tmp_path, llama_8b):
+    """The deploy's recording is an operation after the model stage's downloads (a file that
+    fails its sha256 ends the run before it; a dry run executes none), on this machine."""
+    from types import SimpleNamespace
+
+    from llamarig import operations
+
+    lock = tmp_path / model_lock.LOCK_NAME
+    nothing = operations.record_headers._inner(lock=str(lock), read=[], superseded=[])
+    assert list(nothing) == []
+    key = {"sha256": "d" * 64}
+    read = [(key, read_gguf_header_file(llama_8b))]
+    [command] = operations.record_headers._inner(lock=str(lock), read=read, superseded=[])
+    assert not lock.exists(), "planned, not yet run"
+    said: list[str] = []
+    assert command.function(None, SimpleNamespace(log=said.append))
+    assert recorded_header(lock, key).block_count == 32
+    assert said == [f"llamarig: recorded the GGUF header of {'d' * 64} in {lock}"]
