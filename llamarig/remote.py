@@ -294,42 +294,37 @@ def host_url_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError |
     """The GGUF header of a model file's URL as the host reads it (with the Hub token's header
     file where the host has one), kept on this machine by the file's sha256; None when the
     host reads nothing."""
-    kept = header_cache.cached(file.sha256, name=file.url)
-    if kept is not None:
-        return kept
-    header: GgufHeader | GgufError | None = None
-    for size in (HOST_HEADER_FIRST_READ, HOST_HEADER_READ):
-        head = reader(UrlHead, url=file.url, size=size, header_file=HUB_TOKEN_HEADER_PATH)
-        if not head:
-            return None
-        try:
-            header = read_gguf_header(head, name=file.url)
-            break
-        except GgufError as error:
-            header = error
-            if len(head) < size:
-                break
-    if isinstance(header, GgufHeader):
-        header_cache.keep(file.sha256, head, header)
-    return header
+    return _kept_or_read(
+        file.sha256,
+        file.url,
+        lambda size: reader(UrlHead, url=file.url, size=size, header_file=HUB_TOKEN_HEADER_PATH),
+    )
 
 
 def host_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:
     """The GGUF header of a model file on the host, the error reading it, or None when the
     file is not there: kept on this machine by the file's sha256, else by its path and
-    identity (``llamarig.header_cache``); else read over the connection, a small read first
-    and the rest only for a large header."""
+    identity (``llamarig.header_cache``); else read over the connection."""
     key = file.sha256 or header_cache.identity_key(file.dest, reader(FileIdentity, path=file.dest))
-    kept = header_cache.cached(key, name=file.dest)
+    return _kept_or_read(key, file.dest, lambda size: reader(FileHead, path=file.dest, size=size))
+
+
+def _kept_or_read(
+    key: str | None, name: str, read: Callable[[int], bytes | None]
+) -> GgufHeader | GgufError | None:
+    """The header kept on this machine under ``key``, else the one in the first bytes that
+    ``read(size)`` gives (a small read first, the rest only for a large header), kept; the
+    error reading it, or None when ``read`` gives nothing."""
+    kept = header_cache.cached(key, name=name)
     if kept is not None:
         return kept
     header: GgufHeader | GgufError | None = None
     for size in (HOST_HEADER_FIRST_READ, HOST_HEADER_READ):
-        head = reader(FileHead, path=file.dest, size=size)
-        if head is None:
+        head = read(size)
+        if not head:
             return None
         try:
-            header = read_gguf_header(head, name=file.dest)
+            header = read_gguf_header(head, name=name)
             break
         except GgufError as error:  # truncated, or damaged: a larger read says which
             header = error
