@@ -243,37 +243,28 @@ def record_header(path: Path, key: dict, header: GgufHeader, superseded: list[di
         e["file"] in superseded for e in entries
     ):
         return False
-    entries = [e for e in entries if e["file"] != key and e["file"] not in superseded]
-    entries.append(
-        {
-            "file": key,
-            "digest": header.digest,
-            "format": header_record.FORMAT,
-            "record": header_record.encode(header),
-        }
-    )
+    _put_header(path, document, {"file": key, "digest": header.digest}, header, superseded)
+    return True
+
+
+def _put_header(
+    path: Path, document: dict, entry: dict, header: GgufHeader, superseded: list[dict] = ()
+) -> None:
+    """Write ``entry`` (its file key and digest or declaration) with ``header``'s record in
+    place of the entries of the same file key and of ``superseded``."""
+    gone = [entry["file"], *superseded]
+    entries = [e for e in document["headers"] if e["file"] not in gone]
+    record = header_record.encode(header)
+    entries.append({**entry, "format": header_record.FORMAT, "record": record})
     entries.sort(key=lambda e: sorted(e["file"].items()))
     _write_document(path, {**document, "headers": entries})
-    return True
 
 
 def declare_header(path: Path, url: str, header: GgufHeader, source: str) -> None:
     """Record ``header``, built from ``source`` (a model's published configuration) rather than
     read, as the declared header of the file at ``url``; the first deploy that reads the file
     checks it and records the file's own."""
-    document = _read_document(path)
-    key = {"url": url}
-    entries = [e for e in document["headers"] if e["file"] != key]
-    entries.append(
-        {
-            "file": key,
-            "declared": source,
-            "format": header_record.FORMAT,
-            "record": header_record.encode(header),
-        }
-    )
-    entries.sort(key=lambda e: sorted(e["file"].items()))
-    _write_document(path, {**document, "headers": entries})
+    _put_header(path, _read_document(path), {"file": {"url": url}, "declared": source}, header)
 
 
 def recorded(model: dict, lock: Path, update: bool) -> dict:
