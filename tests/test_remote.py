@@ -15,7 +15,7 @@ from pyinfra.context import ctx_host, ctx_state
 from llamarig import stage
 from llamarig.config import load_inventory
 from llamarig.facts import FileHead, FileIdentity, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.plan import plan_host
+from llamarig.plan import HostPlan, plan_host
 from llamarig.remote import (
     SshTarget,
     gather,
@@ -202,21 +202,27 @@ def test_a_missing_host_file_says_so(write_inventory, tmp_path):
     assert f"{tmp_path}/absent.gguf is not on the host yet" in gathered.header_note
 
 
+def deploy_plan(path: Path, monkeypatch) -> HostPlan:
+    """The plan the deploy makes (stage.plan, pyinfra facts on @local) for the one host of the
+    inventory at ``path``, which RIG_INVENTORY names (the lock goes beside it)."""
+    monkeypatch.setenv("RIG_INVENTORY", str(path))
+    host_config = load_inventory(path).hosts["here"]
+    inventory = Inventory(([pyinfra_host(host_config)], {}))
+    state = State(inventory, Config())
+    connect_all(state)
+    for cache in ("_rigs", "_plans", "_headers_read"):
+        monkeypatch.setattr(stage, cache, {})
+    with ctx_state.use(state), ctx_host.use(inventory.get_host("@local")):
+        return stage.plan()
+
+
 def test_the_deploy_and_the_cli_read_the_same(write_inventory, tmp_path, monkeypatch):
     """The deploy's plan (pyinfra facts on @local) equals the CLI's (sh on the same host)."""
     model = tmp_path / "m.gguf"
     write_qwen35(model)
     path = write_inventory(LOCAL_RIG.format(model=model))
-    monkeypatch.setenv("RIG_INVENTORY", str(path))  # the lock the deploy writes goes beside it
-    host_config = load_inventory(path).hosts["here"]
-    inventory = Inventory(([pyinfra_host(host_config)], {}))
-    state = State(inventory, Config())
-    connect_all(state)
-    monkeypatch.setattr(stage, "_rigs", {})
-    monkeypatch.setattr(stage, "_plans", {})
-    with ctx_state.use(state), ctx_host.use(inventory.get_host("@local")):
-        deployed = stage.plan()
-    data = host_config.data
+    deployed = deploy_plan(path, monkeypatch)
+    data = load_inventory(path).hosts["here"].data
     planned = plan_host("@local", data, **gather(data, shell_reader(data)).plan_inputs())
     assert "GPU memory" in deployed.errors[0]  # the header was read: its weights do not fit
     assert deployed.errors == planned.errors and deployed.resolved == planned.resolved
@@ -228,19 +234,8 @@ def test_the_deploy_says_a_provisional_plan_without_verbose(
     """A deploy whose plan had no header (the file is not on the host, no URL, no record) says
     so at warning level, which pyinfra prints without -v, and records nothing."""
     path = write_inventory(LOCAL_RIG.format(model=tmp_path / "absent.gguf"))
-    monkeypatch.setenv("RIG_INVENTORY", str(path))
-    host_config = load_inventory(path).hosts["here"]
-    inventory = Inventory(([pyinfra_host(host_config)], {}))
-    state = State(inventory, Config())
-    connect_all(state)
-    monkeypatch.setattr(stage, "_rigs", {})
-    monkeypatch.setattr(stage, "_plans", {})
-    with (
-        caplog.at_level("WARNING"),
-        ctx_state.use(state),
-        ctx_host.use(inventory.get_host("@local")),
-    ):
-        deployed = stage.plan()
+    with caplog.at_level("WARNING"):
+        deployed = deploy_plan(path, monkeypatch)
     assert deployed.blind == ["memory per GPU"]
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any(
