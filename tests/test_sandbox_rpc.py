@@ -133,6 +133,14 @@ def test_a_worker_restart_waits_for_the_head_requests_in_flight(head, worker, tm
         stdout=subprocess.PIPE,
         text=True,
     )
+    # The deploy starts once the head processes the request: a drain that found no request
+    # because the client had not reached its slot yet would test nothing (it failed CI once).
+    for _ in range(120):
+        slots = json.loads(in_sandbox(head, f"curl -s {HEAD_URL}/slots"))
+        if any(slot["is_processing"] for slot in slots) or client.poll() is not None:
+            break
+        time.sleep(0.5)
+    assert any(slot["is_processing"] for slot in slots), (slots, client.poll())
     worker_pid = in_sandbox(worker, "systemctl show -P MainPID ggml-rpc-server")
     changed = rpc_variant(tmp_path, long_context, {"threads": 1})  # the worker's unit changes
     result = deploy(changed, "--limit", "rpc-worker")
