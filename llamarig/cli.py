@@ -10,11 +10,12 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
-from llamarig import answers, render
+from llamarig import answers, render, status
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
 from llamarig.config.problems import Problem, located
 from llamarig.entry import host_entry, inventory_document, probe, render_entry
@@ -161,6 +162,26 @@ def _verify(args: argparse.Namespace) -> int:
     if hosts is None:
         return 2
     return max((verify_host(h, args.pytest_args, args.rehash) for h in hosts.values()), default=0)
+
+
+def _status(args: argparse.Namespace) -> int:
+    hosts = _chosen_hosts(args)
+    if hosts is None:
+        return 2
+    window = args.watch or args.window
+    while True:
+        try:
+            rows = status.statuses(hosts, window)
+        except KeyboardInterrupt:  # the way out of --watch
+            return 130
+        if args.json:
+            print(status.as_json(rows), flush=True)
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+            print(f"llamarig status at {when}\n" + "\n".join(map(status.report, rows)), flush=True)
+        if not args.watch:
+            return 0 if all(map(status.healthy, rows)) else 1
+        print(flush=True)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -325,6 +346,23 @@ MAX_TUNE_MINUTES = 24 * 60
 MAX_COMPLETION_TOKENS = 4096
 # The prompt travels in one ssh command line (curl -d), which Linux bounds at 128 KiB per word.
 MAX_PROMPT_CHARACTERS = 16384
+
+
+MAX_STATUS_SECONDS = 3600
+
+
+def _seconds(text: str) -> float:
+    """--window, --watch: seconds above 0, at most an hour."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= MAX_STATUS_SECONDS:  # nan fails both comparisons
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds above 0 and at most {MAX_STATUS_SECONDS} "
+            "(e.g. 10)"
+        )
+    return value
 
 
 def _minutes(text: str) -> float:
@@ -495,6 +533,27 @@ def main(argv: list[str] | None = None) -> int:
         "--force", action="store_true", help="stop the service even while it serves a request"
     )
 
+    status_parser = commands.add_parser(
+        "status",
+        help="what each host serves now, over SSH: unit and uptime, build, model, slots busy, "
+        "tokens/s over a window, GPU memory against the plan, the last deploy; exit 1 when a "
+        "host does not answer or its service is not active",
+    )
+    status_parser.add_argument("--host", type=_host_name, help="only this host")
+    status_parser.add_argument("--json", action="store_true", help="print a JSON list")
+    status_parser.add_argument(
+        "--window",
+        type=_seconds,
+        default=status.DEFAULT_WINDOW_S,
+        help=f"seconds over which tokens/s is measured (default {status.DEFAULT_WINDOW_S})",
+    )
+    status_parser.add_argument(
+        "--watch",
+        type=_seconds,
+        metavar="SECONDS",
+        help="ask again and again, each time over a window of SECONDS, until interrupted",
+    )
+
     run_parser = commands.add_parser(
         "run",
         help="start a host's llama-server in the foreground with the command line the deploy "
@@ -530,6 +589,7 @@ def main(argv: list[str] | None = None) -> int:
             "run": _run,
             "tune": _tune,
             "init": _init,
+            "status": _status,
         }
         return commands_by_name[args.command](args)
     except ConfigError as error:

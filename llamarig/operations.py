@@ -25,7 +25,7 @@ from pyinfra.facts.files import Directory, File, FileContents, Link
 from pyinfra.facts.git import GitLocalCommit
 from pyinfra.operations.util.files import generate_color_diff
 
-from llamarig import checksums, model_lock, pace, progress
+from llamarig import checksums, deploy_record, model_lock, pace, progress
 from llamarig.answers import Answer, verdict
 from llamarig.answers import check_command as answer_check_command
 from llamarig.answers import parse_output as parse_answer_output
@@ -748,6 +748,7 @@ if [ ! -f {q_good}/current ]; then
 fi
 started=$(date +%s)
 {_switch_to(service, unit, env_file, current, last_good)}
+date -u +%Y-%m-%dT%H:%M:%SZ > {shlex.quote(deploy_record.ROLLED_BACK_PATH)} || true
 if serving; then
   echo "llamarig: rolled back: the last version that served ($(cat {q_good}/current)) serves" \\
     "again after $(( $(date +%s) - started )) s; fix the rig data and deploy again" >&2

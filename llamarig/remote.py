@@ -23,13 +23,15 @@ from llamarig.facts import (
     UrlHead,
 )
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
-from llamarig.model_lock import declared_key, header_key, lock_path, recorded_header
+from llamarig.model_lock import declared_key, header_key, lock_path, recorded_header, resolved
 from llamarig.plan import (
     HOST_HEADER_FIRST_READ,
     HOST_HEADER_READ,
+    HostPlan,
     gpus_from_pci,
     header_from_host,
     load_header,
+    plan_host,
     url_headers,
 )
 from llamarig.render import HUB_TOKEN_HEADER_PATH, OVERHEADS_DIR
@@ -221,6 +223,15 @@ def gather(
         else:
             _model_header(gathered, data, reader)
     return gathered
+
+
+def host_plan(host_config: HostConfig) -> HostPlan:
+    """The plan of a deployed host as its deploy made it, read over SSH: a Hugging Face
+    reference resolved through models.lock.yml, the host's GPUs (for the CUDA backend) and the
+    model's header. Raises HubError for a reference the lock cannot resolve."""
+    data = resolved(host_config.data)
+    gathered = gather(data, shell_reader(data), gpus=data["llama_cpp"]["backend"] == "cuda")
+    return plan_host(host_config.name, data, **gathered.plan_inputs())
 
 
 def _model_header(gathered: Gathered, data: dict, reader: Reader | None) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pyinfra import host, logger
+from pyinfra import host, logger, state
 from pyinfra.api.exceptions import DeployError
 from pyinfra.api.operation import OperationMeta
 from pyinfra.connectors.local import LocalConnector
@@ -17,7 +17,7 @@ from pyinfra.facts.files import Directory, File, FileContents, Link
 from pyinfra.facts.git import GitLocalCommit
 from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 
-from llamarig import boot, checksums, operations, render
+from llamarig import boot, checksums, deploy_record, operations, render
 from llamarig.config import ConfigError, rig_data
 from llamarig.config.derived import model_files
 from llamarig.facts import (
@@ -55,6 +55,7 @@ def rig() -> dict:
     """The validated rig data of the host being prepared, a Hugging Face reference resolved
     (on this machine, through models.lock.yml) into the URL and sha256 the download uses."""
     if host.name not in _rigs:
+        deploy_record.register(state)
         try:
             data = rig_data(host.data.dict())
         except ConfigError as error:

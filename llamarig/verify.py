@@ -16,9 +16,7 @@ from llamarig.config import HostConfig
 from llamarig.config.derived import model_files
 from llamarig.config.problems import Problem, located
 from llamarig.hubref import HubError
-from llamarig.model_lock import resolved
-from llamarig.plan import plan_host
-from llamarig.remote import SshTarget, gather, shell_reader, ssh_alias
+from llamarig.remote import SshTarget, host_plan, ssh_alias
 
 # Inside the package, so an installed llamarig (not only a source checkout) carries it.
 SUITE = PACKAGE_DIR / "checks"
@@ -29,10 +27,7 @@ def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
     ``rehash``: hash the model files even where a checksum record says they are unchanged."""
     # A Hugging Face reference as the deploy resolved it (models.lock.yml); the GPUs and the
     # model header resolve `auto` context, split mode and ratio exactly as the deploy did.
-    resolved_data = resolved(host_config.data)
-    cuda = resolved_data["llama_cpp"]["backend"] == "cuda"
-    gathered = gather(resolved_data, shell_reader(resolved_data), gpus=cuda)
-    plan = plan_host(host_config.name, resolved_data, **gathered.plan_inputs())
+    plan = host_plan(host_config)
     data = plan.resolved
     indices = plan.planned_gpu_indices
     memory = None
@@ -41,7 +36,7 @@ def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
             {"index": index, "name": device.name, "planned_mib": device.planned_mib}
             for index, device in zip(indices, plan.memory.devices, strict=True)
         ]
-    files = [] if data["role"] == "rpc-worker" else model_files(resolved_data)
+    files = [] if data["role"] == "rpc-worker" else model_files(data)
     return {
         "name": host_config.name,
         "data": data,

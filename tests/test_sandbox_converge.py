@@ -121,6 +121,78 @@ def test_second_converge_changes_nothing(sandbox_info):
     assert main_pid(sandbox_info) == pid_before, "the second converge restarted the service"
 
 
+def status_row(*args: str) -> tuple[int, dict]:
+    """`llamarig status --json` of the sandbox: its exit status and the host's row."""
+    result = sandboxes.llamarig(INVENTORY, "status", "--json", *args)
+    (row,) = json.loads(result.stdout)
+    return result.returncode, row
+
+
+def test_status_shows_what_serves_and_the_last_deploy(sandbox_info):
+    code, row = status_row("--window", "1")
+    data = load_inventory(INVENTORY).hosts["sandbox"].data
+    assert code == 0 and row["error"] is None, row
+    assert row["active"] == "active/running" and row["pid"] == main_pid(sandbox_info)
+    assert row["build_running"] == row["build_current"] == render.build_id(data)
+    assert row["model_name"] == "SmolLM2-135M-Instruct"
+    assert row["model_sha256"] == data["model"]["sha256"]
+    assert (row["slots_busy"], row["slots_total"]) == (0, data["server"]["parallel"])
+    assert row["tokens_per_second"] == 0 and row["tokens_total"] >= 8
+    assert row["gpus"] == [] and row["uptime_s"] > 0
+    deploy = row["last_deploy"]
+    assert (deploy["outcome"], deploy["changed"], deploy["rolled_back"]) == ("converged", 0, False)
+    # While a client streams: its slot is busy and the tokens it gets are counted.
+    (client,) = streaming_chats(1, 100_000)
+    try:
+        for _ in range(120):
+            if slots_busy(sandbox_info):
+                break
+            time.sleep(0.5)
+        code, row = status_row("--window", "2")
+    finally:
+        client.kill()
+        client.wait()
+    assert row["slots_busy"] == 1 and row["tokens_per_second"] > 0, row
+
+
+def test_status_of_a_stopped_service_says_so(sandbox_info):
+    in_sandbox(sandbox_info, f"systemctl stop {SERVICE}")
+    try:
+        code, row = status_row("--window", "0.5")
+        text = sandboxes.llamarig(INVENTORY, "status", "--window", "0.5").stdout
+    finally:
+        in_sandbox(sandbox_info, f"systemctl start {SERVICE}")
+    assert code == 1 and row["active"] == "inactive/dead" and row["pid"] is None, row
+    assert row["slots_total"] is None and row["tokens_per_second"] is None
+    assert row["server_note"].startswith("no answer from http://127.0.0.1:8080: curl: (7)"), row
+    assert f"sandbox: {SERVICE}.service inactive/dead" in text and "not running" in text, text
+
+
+def test_the_load_bench_runs_bounded_against_the_rig(sandbox_info, tmp_path):
+    # bench/load.py against the real server: K = 1 and 2 (the rig's 2 slots), 2 rounds of 16
+    # tokens; the ceiling from a llama-batched-bench line given to it (the rig builds none).
+    out, ceiling = tmp_path / "load.json", tmp_path / "ceiling.jsonl"
+    line = {"pp": 100, "tg": 16, "pl": 2, "t": 1.0, "speed_tg": 40.0}
+    ceiling.write_text(json.dumps(line) + "\n")
+    command = [sys.executable, "-m", "bench.load", "--clients", "1,2", "--tokens", "16"]
+    command += ["--rounds", "2", "--bound", "120", "--model", "SmolLM2-135M-Instruct"]
+    command += ["--out", str(out), "--ceiling-jsonl", str(ceiling)]
+    result = subprocess.run(command, cwd=PROJECT, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(out.read_text())
+    assert report["tokens"] == 16 and report["prompt_tokens"] > 100
+    one, two = report["results"]
+    assert (one["clients"], two["clients"]) == (1, 2)
+    for row in (one, two):
+        assert row["errors"] == 0 and row["rounds"] == 2 and row["requests"] == 2 * row["clients"]
+        assert row["aggregate_tps"] > 0
+        assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p95"]
+        assert 0 < row["itl_ms"]["p50"] <= row["itl_ms"]["p95"]
+    assert one["ceiling_tps"] is None and two["ceiling_tps"] == 32.0
+    assert two["ratio"] == round(two["aggregate_tps"] / 32.0, 3)
+    assert "served t/s" in result.stdout
+
+
 # A converge that changes nothing reads the host in two batches while planning (the system, then
 # what llamarig manages: small files, link, build, checkout, packages, units, apt lists), then
 # sends only the model's check and the end-of-run probe: 4 (43 before, with `dpkg -l` and
@@ -560,6 +632,11 @@ def rolled_back(sandbox_info, inventory: Path, cause: str) -> float:
     assert in_sandbox(sandbox_info, f"cat {UNIT_PATH}") == unit_before
     assert in_sandbox(sandbox_info, "readlink /opt/llamarig/current") == current_before
     assert complete()["tokens_predicted"] == 8
+    # The deploy recorded on the host what happened, for `llamarig status`.
+    _, row = status_row("--window", "0.5")
+    record = row["last_deploy"]
+    assert (record["outcome"], record["rolled_back"]) == ("failed", True), record
+    assert f"Wait until {SERVICE}.service serves" in record["failed_operation"], record
     # Nothing is lost and nothing is left to repair: the plain rig converges without a change.
     results = converge()
     assert results["totals"]["success"] == 0, changed_operations(results)
