@@ -334,7 +334,7 @@ def _tune(args: argparse.Namespace) -> int:
     status = 0
     for host_config in hosts.values():
         try:
-            tune_host(host_config, inventory, args.minutes, args.force)
+            tune_host(host_config, inventory, args.minutes, args.force, goal=args.goal)
         except TuneError as error:
             print(f"llamarig tune: {error}", file=sys.stderr)
             status = 1
@@ -531,6 +531,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     tune_parser.add_argument(
         "--force", action="store_true", help="stop the service even while it serves a request"
+    )
+    tune_parser.add_argument(
+        "--for",
+        dest="goal",
+        choices=("decode", "throughput"),
+        default="decode",
+        help="decode (default): one stream's speed, with llama-bench (split, micro-batch, "
+        "threads, draft length); throughput: as many clients at once as slots, through "
+        "llama-server (parallel, backend sampling, unified KV cache), the most tokens/s whose "
+        "p95 gap between tokens stays under tune.max_p95_ms",
     )
 
     status_parser = commands.add_parser(

@@ -107,6 +107,11 @@ GUARDED = (
         "is planned from `server.kv_unified`: set `server.kv_unified: true` or `false`",
     ),
     Guarded(
+        ("-bs", "--backend-sampling"),
+        ("LLAMA_ARG_BACKEND_SAMPLING",),
+        "is planned from `server.backend_sampling`: set `server.backend_sampling: true`",
+    ),
+    Guarded(
         ("-fa", "--flash-attn"),
         ("LLAMA_ARG_FLASH_ATTN",),
         'is planned from `server.flash_attn`: set `server.flash_attn` ("on", "off" or auto)',

@@ -208,6 +208,8 @@ def server_args(data: dict) -> list[str]:
         args += ["-fit", "off"]
     if server["kv_unified"]:
         args.append("-kvu")
+    if server["backend_sampling"]:
+        args.append("-bs")
     if server["threads"]:
         args += ["-t", str(server["threads"])]
     if server["spec"]["type"]:

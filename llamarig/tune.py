@@ -27,9 +27,9 @@ from pathlib import Path
 
 import yaml
 
-from llamarig import render
+from llamarig import render, throughput
 from llamarig.config import HostConfig
-from llamarig.config.inventory import tuned_path
+from llamarig.config.inventory import load_inventory, tuned_path
 from llamarig.hardware import memory_bandwidth_gbs
 from llamarig.hubref import HubError
 from llamarig.model_lock import resolved
@@ -601,14 +601,131 @@ def _service_stopped(data: dict, force: bool, say: Callable[[str], None]):
             run_on_host(data, f"systemctl start -- {unit}")
 
 
+def temporary_server(data: dict) -> dict:
+    """The rig data of a temporary server: bound to loopback only, on a port beside the
+    service's."""
+    changed = copy.deepcopy(data)
+    changed["server"]["port"] = draft_port(data)
+    changed["server"]["host"] = "127.0.0.1"
+    return changed
+
+
+def _starter(run: Callable[[str, float], tuple[int, str, str]]):
+    """Functions that start a temporary server for some rig data (returning its pid, once it
+    serves; ValueError with why when it does not) and stop it."""
+
+    def start(data: dict) -> int:
+        status, output, error = run(draft_start_command(data), 60)
+        if status:
+            raise ValueError(error.strip() or "could not start llama-server")
+        pid = int(output.strip().splitlines()[-1])
+        status, _, error = run(draft_wait_command(data, pid), DRAFT_START_SECONDS + 60)
+        if status:
+            run(draft_stop_command(pid), 60)
+            raise ValueError(" / ".join(error.strip().splitlines()[-3:]) or "did not start")
+        return pid
+
+    def stop(pid: int) -> None:
+        run(draft_stop_command(pid), 60)
+
+    return start, stop
+
+
+def write_tuned_throughput(
+    path: Path, host: str, chosen: throughput.LoadMeasured, bound: float, identity: str
+) -> None:
+    """Adds the load settings to the host's tuned file, keeping what an earlier tune for
+    decode wrote there."""
+    settings = {}
+    if path.is_file():
+        settings = (yaml.safe_load(path.read_text()) or {}).get("server") or {}
+    settings.update(chosen.candidate.settings())
+    header = (
+        f"# Written by `llamarig tune --for throughput` for {host} on "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC:\n"
+        f"# {chosen.candidate.label} served {chosen.tps:.1f} tokens/s with "
+        f"{chosen.candidate.parallel} client(s) at once ({throughput.LOAD_TOKENS} tokens each, "
+        f"median of {throughput.ROUNDS} rounds), gaps between tokens p50 "
+        f"{chosen.gap_p50_ms:.1f} ms, p95 {chosen.gap_p95_ms:.1f} ms (bound {bound:.1f} ms; "
+        f"{identity}).\n"
+        "# The loader merges it under the host's own settings; commit it like any other.\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + yaml.safe_dump({"server": settings}, sort_keys=False))
+
+
+def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) -> Path:
+    """The load sweep of `throughput` on ``plan``'s host; writes and returns the tuned file."""
+    tuned_file, sweep_file, identity, inventory = files
+    data = temporary_server(plan.resolved)  # the clients load the temporary server
+    start, stop = _starter(run)
+
+    def fitting_start(candidate_data: dict) -> int:
+        trial = plan_host(plan.host, candidate_data, **inputs)
+        if not trial.fits:
+            raise ValueError("does not fit: " + (trial.errors or ["memory"])[0].splitlines()[0])
+        return start(trial.resolved)
+
+    results, chosen, bound = throughput.sweep(
+        data,
+        run,
+        fitting_start,
+        stop,
+        _saved(sweep_file, identity),
+        lambda saved: _save(sweep_file, identity, saved),
+        deadline,
+        say,
+        data["tune"]["max_p95_ms"],
+    )
+    say(throughput.table(results, chosen, bound))
+    if not bound:
+        alone = next(r for r in results if r.candidate.parallel == 1)
+        raise TuneError(
+            f"{plan.host}: one client alone could not be measured, which sets the p95 gap "
+            f"bound (tune.max_p95_ms: null): {alone.skipped}"
+        )
+    if chosen is None:
+        raise TuneError(
+            f"{plan.host}: no configuration was measured within the p95 gap bound of "
+            f"{bound:.1f} ms (tune.max_p95_ms)"
+        )
+    write_tuned_throughput(tuned_file, plan.host, chosen, bound, identity)
+    say(f"{plan.host}: tuned settings written to {tuned_file} ({chosen.candidate.label})")
+    for line in overridden(inventory, plan.host, chosen.candidate.settings()):
+        say(line)
+    return tuned_file
+
+
+def overridden(inventory: Path, host: str, settings: dict) -> list[str]:
+    """The tuned ``settings`` that the host's own settings replace (they win over a tuned
+    file), each naming the file that sets it."""
+    loaded = load_inventory(inventory).hosts[host]
+    lines = []
+    for key, value in settings.items():
+        served = loaded.data["server"][key]
+        if served != value:
+            lines.append(
+                f"{host}: server.{key} is {served!r} in {loaded.origins[('server', key)]}, which "
+                f"wins over the tuned {value!r}: remove it there to serve the tuned value"
+            )
+    return lines
+
+
 def tune_host(
-    host_config: HostConfig, inventory: Path, minutes: float, force: bool, say=print
+    host_config: HostConfig,
+    inventory: Path,
+    minutes: float,
+    force: bool,
+    say=print,
+    goal: str = "decode",
 ) -> Path:
-    """Sweep one host and write its tuned file; returns the file. Raises TuneError."""
+    """Sweep one host for ``goal`` (``decode``: one stream's speed, with llama-bench;
+    ``throughput``: many clients at once, through llama-server) and write its tuned file;
+    returns the file. Raises TuneError."""
     name = host_config.name
     if host_config.data["role"] == "rpc-worker":
         raise TuneError(f"{name} is an rpc-worker: tune its head, which runs the model")
-    if "llama-bench" not in host_config.data["llama_cpp"]["targets"]:
+    if goal == "decode" and "llama-bench" not in host_config.data["llama_cpp"]["targets"]:
         raise TuneError(
             f"{name}: llama_cpp.targets lacks llama-bench, which tune measures with: add it "
             "(e.g. [llama-server, llama-bench]) and deploy"
@@ -622,9 +739,10 @@ def tune_host(
     plan = plan_host(name, data, **inputs)
     if not plan.fits:
         raise TuneError(f"{name}: the plan does not fit:\n" + "\n".join(plan.errors))
-    bench = f"{render.layout(plan.resolved)['current']}/bin/llama-bench"
+    binary = "llama-bench" if goal == "decode" else "llama-server"
+    bench = f"{render.layout(plan.resolved)['current']}/bin/{binary}"
     if run_on_host(data, f"test -x {shlex.quote(bench)}").returncode:
-        raise TuneError(f"{name}: {bench} is not there: deploy with llama-bench in the targets")
+        raise TuneError(f"{name}: {bench} is not there: deploy with {binary} in the targets")
     cpu_count = int(run_on_host(data, "nproc").stdout.strip() or 1)
     tuned_file = tuned_path(inventory, name)
     sweep_file = tuned_file.with_name(f".{name}.sweep.json")
@@ -634,8 +752,12 @@ def tune_host(
         result = run_on_host(data, command, timeout=timeout)
         return result.returncode, result.stdout, result.stderr
 
-    say(f"{name}: tuning for at most {minutes:g} minutes ({identity})")
+    say(f"{name}: tuning for {goal}, for at most {minutes:g} minutes ({identity})")
     deadline = time.monotonic() + minutes * 60
+    if goal == "throughput":
+        with _service_stopped(data, force, say):
+            files = (tuned_file, sweep_file, identity, inventory)
+            return _tune_throughput(plan, inputs, run, files, deadline, say)
     spec = plan.resolved["server"]["spec"]
     drafts, draft = [], None
     with _service_stopped(data, force, say):

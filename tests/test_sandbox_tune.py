@@ -46,6 +46,8 @@ def inventory(directory: Path) -> Path:
         # this test is about the tuned file reaching the unit (test_sandbox_slowdown has it).
         rig["server"].update(port=SERVER_PORT, spec={"type": ["ngram-simple"]}, max_slowdown=None)
         rig["llama_cpp"]["targets"] = ["llama-server", "llama-bench"]
+        # The slots are tune's to choose (--for throughput): a host's own setting would win.
+        del rig["server"]["parallel"]
 
     return sandboxes.demo_rig_inventory(directory / "tune.yml", NAME, SSH_PORT, edit)
 
@@ -115,3 +117,32 @@ def test_tune_writes_what_the_next_deploy_serves(rig):
     assert again.returncode == 0, again.stdout + again.stderr
     assert "measuring" not in again.stdout and "(measured before)" in again.stdout
     assert yaml.safe_load(tuned_file.read_text())["server"] == tuned
+
+
+def test_tune_for_throughput_adds_the_slots_the_next_deploy_serves(rig):
+    info, path = rig
+    tuned_file = tuned_path(path, NAME)
+    decode_settings = yaml.safe_load(tuned_file.read_text())["server"]
+
+    result = tune(path, "--for", "throughput")
+    assert result.returncode == 0, result.stdout + result.stderr
+    print(result.stdout)
+    # The context (2048) holds 1, 2 or 4 requests of the load; one client alone sets the bound.
+    for label in ("parallel 1", "parallel 2", "parallel 4"):
+        assert f"  {label}: " in result.stdout, result.stdout
+    assert "p95 gap bound" in result.stdout and "<- tuned" in result.stdout
+    assert "failed" not in result.stdout, result.stdout
+    tuned = yaml.safe_load(tuned_file.read_text())["server"]
+    assert tuned["parallel"] in (1, 2, 4)
+    assert isinstance(tuned["backend_sampling"], bool) and isinstance(tuned["kv_unified"], bool)
+    # What the decode tune wrote stays.
+    assert {k: tuned[k] for k in decode_settings} == decode_settings
+    assert "tune --for throughput" in tuned_file.read_text().splitlines()[0]
+    assert in_sandbox(info, f"systemctl is-active {SERVICE}") == "active"
+
+    sandboxes.converge(path)
+    after = exec_start(info)
+    assert after[after.index("-np") + 1] == str(tuned["parallel"])
+    assert ("-bs" in after) == tuned["backend_sampling"]
+    assert ("-kvu" in after) == tuned["kv_unified"]
+    assert changed_operations(sandboxes.converge(path)) == []

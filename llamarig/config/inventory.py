@@ -45,7 +45,16 @@ def record_origins(data: Any, origin: str, prefix: tuple, origins: dict[tuple, s
 # `llamarig tune` writes its winner to tuned/HOST.yml beside the inventory; the loader merges it
 # above the host's groups and under the host's own settings, so what the user set still wins.
 TUNED_DIR = "tuned"
-TUNED_SERVER_KEYS = ("split_mode", "tensor_split", "ubatch", "threads", "spec")
+TUNED_SERVER_KEYS = (
+    "split_mode",
+    "tensor_split",
+    "ubatch",
+    "threads",
+    "spec",
+    "parallel",
+    "backend_sampling",
+    "kv_unified",
+)
 # Of `server.spec`, tune measures only the draft length; the types stay the user's choice.
 TUNED_SPEC_KEYS = ("draft_max",)
 

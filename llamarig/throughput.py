@@ -1,0 +1,274 @@
+"""`llamarig tune --for throughput`: the server settings that serve a team best, measured on the
+host with the deployed build: the most output tokens per second with as many clients at once as
+the rig has slots, as long as the gap between two tokens of one client stays under a bound.
+
+The sweep serves each candidate with a temporary llama-server on loopback (tune's draft server:
+the rig's command line, a port beside the service's) and sends it PARALLEL clients at once from
+the host itself (curl, streamed, each prompt opening with its own line so no slot reuses another
+slot's cached prompt), ROUNDS rounds of LOAD_TOKENS tokens each. The aggregate is the clients'
+tokens over the round's wall time (the median round); the gaps between tokens are the server's
+own timestamps (``timings_per_token``: ``predicted_ms`` grows with each token), so the network
+between here and the host is not in them.
+
+Stages, each from the best so far: ``parallel`` (1, 2, 4, ... up to what the context holds),
+then backend sampling (``-bs``) on or off, then a unified KV cache (``-kvu``) on or off. The
+bound on the p95 gap is ``tune.max_p95_ms``; null means P95_FACTOR times the median gap of one
+client alone (parallel 1, measured first).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shlex
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from llamarig import render
+
+PARALLEL_VALUES = (1, 2, 4, 8, 16)
+LOAD_TOKENS = 64
+PROMPT_WORDS = 60
+ROUNDS = 2
+P95_FACTOR = 3
+# Context each slot needs: the prompt (about 1.5 tokens a word) and the tokens, with room.
+SLOT_TOKENS = 2 * (PROMPT_WORDS * 2 + LOAD_TOKENS)
+# A candidate must beat the current settings by more than this to replace them.
+KEEP_WITHIN = 0.05
+REQUEST_SECONDS = 600
+SECTION = "@@llamarig-load "
+PROMPT_TEXT = (
+    "Write a detailed travel guide about the mountains, rivers, villages, markets, food, music "
+    "and history of a country you invent, with advice for each season of the year."
+)
+
+Run = Callable[[str, float], tuple[int, str, str]]
+
+
+@dataclass(frozen=True)
+class LoadCandidate:
+    parallel: int
+    backend_sampling: bool
+    kv_unified: bool
+
+    @property
+    def label(self) -> str:
+        flags = ("-bs" if self.backend_sampling else "", "-kvu" if self.kv_unified else "")
+        return " ".join(part for part in (f"parallel {self.parallel}", *flags) if part)
+
+    def settings(self) -> dict:
+        return {
+            "parallel": self.parallel,
+            "backend_sampling": self.backend_sampling,
+            "kv_unified": self.kv_unified,
+        }
+
+
+@dataclass
+class LoadMeasured:
+    candidate: LoadCandidate
+    tps: float | None = None  # aggregate output tokens/s, median round
+    gap_p50_ms: float | None = None
+    gap_p95_ms: float | None = None
+    skipped: str = ""
+
+
+def current(data: dict) -> LoadCandidate:
+    server = data["server"]
+    return LoadCandidate(server["parallel"], server["backend_sampling"], server["kv_unified"])
+
+
+def parallel_values(data: dict) -> list[int]:
+    """The slot counts worth trying: those whose share of the context holds a request."""
+    fitting = [p for p in PARALLEL_VALUES if data["server"]["ctx"] // p >= SLOT_TOKENS]
+    return sorted({1, *fitting, data["server"]["parallel"]})
+
+
+def with_load_candidate(data: dict, candidate: LoadCandidate) -> dict:
+    changed = copy.deepcopy(data)
+    changed["server"].update(candidate.settings())
+    return changed
+
+
+def _percentile(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
+
+
+def load_command(data: dict, clients: int, round_number: int) -> str:
+    """``clients`` streamed completions started at once on the host, each to its own file;
+    prints the round's start and end (the host's clock) and every reply."""
+    url = shlex.quote(f"{render.base_url(data)}/completion")
+    requests = []
+    for client in range(clients):
+        body = {
+            "prompt": f"Request {round_number}-{client}.\n{PROMPT_TEXT}",
+            "n_predict": LOAD_TOKENS,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+            "timings_per_token": True,
+        }
+        requests.append(
+            f"curl -sS -N -f -m {REQUEST_SECONDS} {render.CURL_AUTH} "
+            f"-H 'Content-Type: application/json' --data-binary {shlex.quote(json.dumps(body))} "
+            f'-- {url} > "$d/{client}" 2>&1 &'
+        )
+    return "\n".join(
+        [
+            "d=$(mktemp -d) || exit 1; trap 'rm -rf \"$d\"' EXIT",
+            "start=$(date +%s.%N)",
+            *requests,
+            "wait",
+            f'echo "{SECTION}wall $start $(date +%s.%N)"',
+            f'for f in "$d"/*; do echo "{SECTION}reply"; cat "$f"; echo; done',
+        ]
+    )
+
+
+def parse_round(output: str, clients: int) -> tuple[float, list[float]]:
+    """(aggregate tokens/s, the gaps between tokens in ms) of one round; ValueError when a
+    reply is missing, failed or short."""
+    wall, replies = None, []
+    for block in output.split(SECTION)[1:]:
+        kind, _, rest = block.partition(" " if block.startswith("wall") else "\n")
+        if kind == "wall":
+            start, end = (float(value) for value in rest.split()[:2])
+            wall = end - start
+        elif kind == "reply":
+            replies.append(rest)
+    if wall is None or wall <= 0 or len(replies) != clients:
+        raise ValueError(f"{len(replies)} of {clients} replies came back")
+    gaps, tokens = [], 0
+    for reply in replies:
+        stamps = []
+        for line in reply.splitlines():
+            if line.startswith("data: {"):
+                timings = json.loads(line[len("data: ") :]).get("timings") or {}
+                if timings.get("predicted_n"):
+                    stamps.append((timings["predicted_n"], timings["predicted_ms"]))
+        if not stamps or stamps[-1][0] != LOAD_TOKENS:
+            last = reply.strip().splitlines()[-1:] or ["nothing"]
+            raise ValueError(f"a reply ended before {LOAD_TOKENS} tokens: {last[0][:200]}")
+        tokens += stamps[-1][0]
+        # One timestamp per token count (a final chunk repeats the last).
+        by_count = dict(stamps)
+        times = [by_count[count] for count in sorted(by_count)]
+        gaps += [later - earlier for earlier, later in zip(times, times[1:], strict=False)]
+    return tokens / wall, gaps
+
+
+def measure(data: dict, run: Run, start: Callable[[dict], int], stop: Callable[[int], None]):
+    """Serve ``data`` with a temporary server and load it with ``parallel`` clients for ROUNDS
+    rounds: (median aggregate tokens/s, p50 and p95 gap in ms)."""
+    clients = data["server"]["parallel"]
+    pid = start(data)
+    try:
+        rates, gaps = [], []
+        for round_number in range(ROUNDS):
+            status, output, error = run(load_command(data, clients, round_number), 900)
+            if status:
+                raise ValueError(error.strip() or "the load round failed")
+            rate, round_gaps = parse_round(output, clients)
+            rates.append(rate)
+            gaps += round_gaps
+    finally:
+        stop(pid)
+    if not gaps:
+        raise ValueError("no gap between tokens was measured")
+    return statistics.median(rates), _percentile(gaps, 0.5), _percentile(gaps, 0.95)
+
+
+def winner(
+    results: list[LoadMeasured], planned: LoadCandidate, bound_ms: float
+) -> LoadMeasured | None:
+    """The highest aggregate whose p95 gap is within ``bound_ms``; the current settings while
+    within KEEP_WITHIN of it; None when none qualifies."""
+    eligible = [r for r in results if r.tps and r.gap_p95_ms <= bound_ms]
+    if not eligible:
+        return None
+    best = max(eligible, key=lambda r: r.tps)
+    kept = next((r for r in eligible if r.candidate == planned), None)
+    if kept and kept.tps >= best.tps * (1 - KEEP_WITHIN):
+        return kept
+    return best
+
+
+def stages(data: dict, best: LoadCandidate, stage: int) -> list[LoadCandidate]:
+    """The candidates of one stage, from the best so far."""
+    if stage == 0:
+        return [
+            LoadCandidate(p, best.backend_sampling, best.kv_unified) for p in parallel_values(data)
+        ]
+    if stage == 1:
+        return [LoadCandidate(best.parallel, flag, best.kv_unified) for flag in (False, True)]
+    return [LoadCandidate(best.parallel, best.backend_sampling, flag) for flag in (False, True)]
+
+
+def sweep(
+    data: dict,
+    run: Run,
+    start: Callable[[dict], int],
+    stop: Callable[[int], None],
+    saved: dict,
+    save: Callable[[dict], None],
+    deadline: float,
+    say: Callable[[str], None],
+    max_p95_ms: float | None,
+) -> tuple[list[LoadMeasured], LoadMeasured | None, float]:
+    """Every stage until ``deadline``, reusing ``saved`` (label -> [tps, p50, p95]); returns
+    the results, the winner and the p95 bound used."""
+    planned = current(data)
+    results: dict[LoadCandidate, LoadMeasured] = {}
+    best, bound = planned, max_p95_ms
+    for stage in range(3):
+        for candidate in stages(data, best, stage):
+            if candidate in results:
+                continue
+            result = results[candidate] = LoadMeasured(candidate)
+            key = f"load: {candidate.label}"
+            if key in saved:
+                result.tps, result.gap_p50_ms, result.gap_p95_ms = saved[key]
+                say(f"  {candidate.label}: {result.tps:.1f} t/s (measured before)")
+            elif time.monotonic() > deadline:
+                result.skipped = "not measured (time bound; run tune again to resume)"
+                continue
+            else:
+                say(f"  {candidate.label}: {candidate.parallel} client(s) at once")
+                try:
+                    measured = measure(with_load_candidate(data, candidate), run, start, stop)
+                except (ValueError, KeyError) as problem:
+                    result.skipped = f"failed: {problem}"
+                    continue
+                result.tps, result.gap_p50_ms, result.gap_p95_ms = measured
+                saved[key] = list(measured)
+                save(saved)
+            if bound is None and candidate.parallel == 1 and result.gap_p50_ms:
+                bound = P95_FACTOR * result.gap_p50_ms
+        if bound is None:
+            break  # one client alone could not be measured: no bound to judge by
+        chosen = winner(list(results.values()), planned, bound)
+        best = chosen.candidate if chosen else best
+    chosen = winner(list(results.values()), planned, bound) if bound else None
+    return list(results.values()), chosen, bound or 0.0
+
+
+def table(results: list[LoadMeasured], chosen: LoadMeasured | None, bound: float) -> str:
+    lines = [
+        f"served with as many clients as slots, {LOAD_TOKENS} tokens each, {ROUNDS} rounds; "
+        f"p95 gap bound {bound:.1f} ms:",
+        f"{'configuration':<32}{'tokens/s':>10}{'gap p50 ms':>12}{'gap p95 ms':>12}  note",
+    ]
+    for result in results:
+        if result.tps:
+            numbers = f"{result.tps:>10.1f}{result.gap_p50_ms:>12.1f}{result.gap_p95_ms:>12.1f}"
+            note = "<- tuned" if result is chosen else ""
+            if result.gap_p95_ms > bound:
+                note = "p95 gap over the bound"
+        else:
+            numbers, note = f"{'-':>10}{'':>12}{'':>12}", result.skipped
+        lines.append(f"{result.candidate.label:<32}{numbers}  {note}")
+    return "\n".join(lines)
