@@ -10,8 +10,8 @@ every request, and errors. The ceiling at the same batch is llama-batched-bench'
 rate of its ``pl`` sequences (prompt ``pp`` = the prompt tokens the server counted, ``tg`` =
 ``--tokens``): ``pl x tg / (t_pp + t_tg)``. Served / ceiling per K is the headline.
 
-Loopback (or an SSH tunnel) only; every request and the whole run are bounded. An API key is
-read from a file and sent as a header, never printed.
+Loopback only (a remote rig through an SSH tunnel); every request and the whole run are
+bounded. An API key is read from a file and sent as a header, never printed.
 
 python -m bench.load --url http://127.0.0.1:8080 --clients 1,2,4 --tokens 64 --out load.json \\
     [--batched-bench "/opt/llamarig/current/bin/llama-batched-bench -m MODEL -c CTX"]
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import ipaddress
 import json
 import math
 import shlex
@@ -53,6 +54,15 @@ def prompt(index: int, words: int) -> str:
     return f"Request {index}.\n" + " ".join(body)
 
 
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class Client:
     """Streaming chat completions against one server; the key, if any, only in a header."""
 
@@ -60,6 +70,11 @@ class Client:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise SystemExit(f"--url: {url!r} is not an http:// URL")
+        if not _loopback(parts.hostname):
+            raise SystemExit(
+                f"--url: {parts.hostname} is not a loopback address: reach a rig through a "
+                "tunnel (ssh -L 8080:127.0.0.1:8080 HOST) and give http://127.0.0.1:8080"
+            )
         self.host, self.port = parts.hostname, parts.port or 80
         self.headers = {"Content-Type": "application/json"}
         if api_key:

@@ -193,6 +193,8 @@ def parse(name: str, data: dict, output: str) -> HostStatus:
     row = HostStatus(host=name, unit=data["rpc" if worker else "server"]["service"] + ".service")
     unit = dict(line.partition("=")[::2] for line in found.get("unit", []))
     row.active = f"{unit.get('ActiveState', 'unknown')}/{unit.get('SubState', 'unknown')}"
+    if not worker and data["server"]["supervisor"] == "none":
+        row.active = "no unit (server.supervisor: none; `llamarig run` starts the server)"
     pid = int(unit.get("MainPID") or 0)
     row.pid = pid or None
     row.restarts = int(unit["NRestarts"]) if unit.get("NRestarts", "").isdigit() else None
@@ -382,5 +384,10 @@ def as_json(rows: list[HostStatus]) -> str:
 
 
 def healthy(row: HostStatus) -> bool:
-    """The host answered and its service is active (the exit status of `llamarig status`)."""
-    return row.error is None and row.active.startswith("active/")
+    """The host answered and its service is active, or, without a unit, its server answered
+    (the exit status of `llamarig status`)."""
+    if row.error is not None:
+        return False
+    if row.active.startswith("no unit"):
+        return row.slots_total is not None
+    return row.active.startswith("active/")

@@ -58,3 +58,14 @@ def test_client_counts_out_of_bounds_are_refused(bad, capsys):
 def test_a_url_that_is_not_http_is_refused():
     with pytest.raises(SystemExit, match="is not an http:// URL"):
         load.Client("file:///etc/passwd", None, None)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.5:8080", "http://rig1:8080", "http://[::2]:80"])
+def test_a_url_off_loopback_is_refused(url):
+    with pytest.raises(SystemExit, match="is not a loopback address: reach a rig through a"):
+        load.Client(url, None, None)
+
+
+def test_loopback_urls_are_taken():
+    for url in ("http://127.0.0.1:8080", "http://localhost:8080", "http://[::1]:8080"):
+        assert load.Client(url, None, None).port == 8080

@@ -71,7 +71,7 @@ def server_port():
     server.shutdown()
 
 
-def local_host(write_inventory, tmp_path: Path, port: int):
+def local_host(write_inventory, tmp_path: Path, port: int, supervisor: str = "systemd"):
     model = tmp_path / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"
     model.parent.mkdir()
     model.write_bytes(b"GGUF")
@@ -84,7 +84,7 @@ all:
       ssh: {{local: true}}
       llama_cpp: {{backend: cpu}}
       paths: {{prefix: {prefix}}}
-      server: {{port: {port}}}
+      server: {{port: {port}, supervisor: {supervisor}}}
       model: {{path: {model}}}
 """
     )
@@ -111,6 +111,16 @@ def test_a_row_from_the_hosts_shell(write_inventory, tmp_path, server_port):
     text = status.report(row)
     assert "slots    1 of 2 busy, 3 waiting" in text
     assert f"tokens/s over the last {row.window_s:.0f} s (1,090 tokens since it started)" in text
+
+
+def test_a_server_without_a_unit_is_healthy_when_it_answers(write_inventory, tmp_path, server_port):
+    # server.supervisor none (a container without systemd): no unit to ask, the server is.
+    host = local_host(write_inventory, tmp_path, server_port, supervisor="none")
+    row = status.host_status(host, window=0.1)
+    assert row.active.startswith("no unit (server.supervisor: none")
+    assert row.slots_total == 2 and status.healthy(row)
+    row.slots_total = None  # as when nothing answers
+    assert not status.healthy(row)
 
 
 def test_a_server_that_does_not_answer_is_said(write_inventory, tmp_path):
