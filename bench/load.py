@@ -273,7 +273,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--tokens 1..4096, --rounds 1..100, --prompt-words >= 1")
     api_key = args.api_key_file.read_text().strip() if args.api_key_file else None
     client = Client(args.url, api_key, args.model)
-    warm = client.request(prompt(-1, args.prompt_words), 4)  # loads the caches, counts tokens
+    # The warm-up loads the caches and counts the prompt's tokens; a server still loading its
+    # model answers 503 until it is ready, which is waited for within the bound.
+    deadline = time.monotonic() + args.bound
+    warm = client.request(prompt(-1, args.prompt_words), 4)
+    while warm.get("error", "").startswith("HTTP 503") and time.monotonic() < deadline:
+        time.sleep(1)
+        warm = client.request(prompt(-1, args.prompt_words), 4)
     if "error" in warm:
         print(f"bench.load: {args.url} did not answer: {warm['error']}", file=sys.stderr)
         return 2

@@ -161,7 +161,13 @@ def test_status_of_a_stopped_service_says_so(sandbox_info):
         code, row = status_row("--window", "0.5")
         text = sandboxes.llamarig(INVENTORY, "status", "--window", "0.5").stdout
     finally:
-        in_sandbox(sandbox_info, f"systemctl start {SERVICE}")
+        # Started again and serving before the next test: a server still loading answers 503.
+        in_sandbox(
+            sandbox_info,
+            f"systemctl start {SERVICE}; for i in $(seq 240); do "
+            "curl -sf -o /dev/null http://127.0.0.1:8080/health && exit 0; sleep 0.5; done; "
+            "exit 1",
+        )
     assert code == 1 and row["active"] == "inactive/dead" and row["pid"] is None, row
     assert row["slots_total"] is None and row["tokens_per_second"] is None
     assert row["server_note"].startswith("no answer from http://127.0.0.1:8080: curl: (7)"), row
