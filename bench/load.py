@@ -24,7 +24,6 @@ import argparse
 import http.client
 import ipaddress
 import json
-import math
 import shlex
 import statistics
 import subprocess
@@ -34,23 +33,14 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from llamarig.throughput import PROMPT_TEXT, percentile
+
 REQUEST_TIMEOUT_S = 600
-PROMPT_TEXT = (
-    "Write a detailed travel guide about the mountains, rivers, villages, markets, food, "
-    "music and history of a country you invent, with advice for each season of the year. "
-)
-
-
-def percentile(values: list[float], share: float) -> float | None:
-    """The nearest-rank percentile (None for no values)."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
 
 
 def prompt(index: int, words: int) -> str:
-    body = (PROMPT_TEXT * (words // len(PROMPT_TEXT.split()) + 1)).split()[:words]
+    text = PROMPT_TEXT + " "
+    body = (text * (words // len(PROMPT_TEXT.split()) + 1)).split()[:words]
     return f"Request {index}.\n" + " ".join(body)
 
 

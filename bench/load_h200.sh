@@ -12,7 +12,7 @@ mkdir -p "$W/models" "$R"
 rm -f "$R/EXIT"
 trap 'echo $? > "$R/EXIT"' EXIT
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/gguf-*.whl
+  --target /tmp/site .whl/*.whl  # bench/load.py imports llamarig (as bench/run.sh's runs do)
 export PYTHONPATH=/tmp/site:$PWD
 [ -d $W/llama.cpp.git ] || cp -a .carry/llama.cpp.git $W/llama.cpp.git
 [ -d $W/src ] || git clone -q $W/llama.cpp.git $W/src

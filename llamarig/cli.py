@@ -351,13 +351,19 @@ MAX_PROMPT_CHARACTERS = 16384
 MAX_STATUS_SECONDS = 3600
 
 
-def _seconds(text: str) -> float:
-    """--window, --watch: seconds above 0, at most an hour."""
+def _above_zero(text: str, maximum: float) -> float | None:
+    """``text`` as a number above 0 and at most ``maximum``; None when it is not one."""
     try:
         value = float(text)
     except ValueError:
-        value = None
-    if value is None or not 0 < value <= MAX_STATUS_SECONDS:  # nan fails both comparisons
+        return None
+    return value if 0 < value <= maximum else None  # nan fails both comparisons
+
+
+def _seconds(text: str) -> float:
+    """--window, --watch: seconds above 0, at most an hour."""
+    value = _above_zero(text, MAX_STATUS_SECONDS)
+    if value is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a number of seconds above 0 and at most {MAX_STATUS_SECONDS} "
             "(e.g. 10)"
@@ -367,11 +373,8 @@ def _seconds(text: str) -> float:
 
 def _minutes(text: str) -> float:
     """--minutes: a finite number of minutes above 0, at most a day."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = None
-    if value is None or not 0 < value <= MAX_TUNE_MINUTES:  # nan fails both comparisons
+    value = _above_zero(text, MAX_TUNE_MINUTES)
+    if value is None:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a time bound: minutes above 0, at most {MAX_TUNE_MINUTES} "
             "(e.g. --minutes 10)"

@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from llamarig import checksums, deploy_record, render
 from llamarig.config import HostConfig
 from llamarig.hubref import HubError
+from llamarig.progress import format_duration
 from llamarig.remote import SshTarget, host_plan
 
 CONNECT_TIMEOUT_S = 10
@@ -318,25 +319,13 @@ def statuses(hosts: dict[str, HostConfig], window: float) -> list[HostStatus]:
         return list(pool.map(lambda config: host_status(config, window), hosts.values()))
 
 
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    days, rest = divmod(seconds, 86400)
-    hours, rest = divmod(rest, 3600)
-    minutes, seconds = divmod(rest, 60)
-    if days:
-        return f"{days} d {hours} h"
-    if hours:
-        return f"{hours} h {minutes} min"
-    return f"{minutes} min {seconds} s" if minutes else f"{seconds} s"
-
-
 def report(row: HostStatus) -> str:
     """The row as lines for a terminal."""
     if row.error:
         return f"{row.host}: {row.error}"
     state = f"{row.unit} {row.active}"
     if row.uptime_s is not None:
-        state += f" for {_duration(row.uptime_s)}"
+        state += f" for {format_duration(row.uptime_s)}"
     if row.pid:
         state += f", pid {row.pid}"
     if row.restarts:

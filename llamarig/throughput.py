@@ -93,7 +93,10 @@ def with_load_candidate(data: dict, candidate: LoadCandidate) -> dict:
     return changed
 
 
-def _percentile(values: list[float], share: float) -> float:
+def percentile(values: list[float], share: float) -> float | None:
+    """The nearest-rank percentile (None for no values)."""
+    if not values:
+        return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, max(0, math.ceil(share * len(ordered)) - 1))]
 
@@ -179,7 +182,7 @@ def measure(data: dict, run: Run, start: Callable[[dict], int], stop: Callable[[
         stop(pid)
     if not gaps:
         raise ValueError("no gap between tokens was measured")
-    return statistics.median(rates), _percentile(gaps, 0.5), _percentile(gaps, 0.95)
+    return statistics.median(rates), percentile(gaps, 0.5), percentile(gaps, 0.95)
 
 
 def winner(

@@ -319,10 +319,15 @@ def write_tuned(
         f"{chosen.prompt_tps:.1f} t/s (llama-bench -n {DECODE_TOKENS} -p {PROMPT_TOKENS}, "
         f"{REPETITIONS} repetitions; {identity}).\n"
         f"{served}"
-        "# The loader merges it under the host's own settings; commit it like any other.\n"
     )
+    _write_tuned_file(path, header, settings)
+
+
+def _write_tuned_file(path: Path, header: str, settings: dict) -> None:
+    """A tuned file: what was measured as comment lines, then the settings under `server:`."""
+    note = "# The loader merges it under the host's own settings; commit it like any other.\n"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump({"server": settings}, sort_keys=False))
+    path.write_text(header + note + yaml.safe_dump({"server": settings}, sort_keys=False))
 
 
 def sweep(
@@ -648,10 +653,8 @@ def write_tuned_throughput(
         f"median of {throughput.ROUNDS} rounds), gaps between tokens p50 "
         f"{chosen.gap_p50_ms:.1f} ms, p95 {chosen.gap_p95_ms:.1f} ms (bound {bound:.1f} ms; "
         f"{identity}).\n"
-        "# The loader merges it under the host's own settings; commit it like any other.\n"
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + yaml.safe_dump({"server": settings}, sort_keys=False))
+    _write_tuned_file(path, header, settings)
 
 
 def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench import load
+from llamarig.throughput import percentile
 
 # Two rows as the pinned llama-batched-bench prints them with --output-format jsonl, between
 # its log lines.
@@ -35,10 +36,10 @@ def test_ceiling_is_the_batch_output_rate_over_prompt_and_generation():
 
 def test_percentiles_are_nearest_rank():
     values = [float(n) for n in range(1, 101)]
-    assert load.percentile(values, 0.5) == 50
-    assert load.percentile(values, 0.95) == 95
-    assert load.percentile([3.0], 0.95) == 3
-    assert load.percentile([], 0.5) is None
+    assert percentile(values, 0.5) == 50
+    assert percentile(values, 0.95) == 95
+    assert percentile([3.0], 0.95) == 3
+    assert percentile([], 0.5) is None
 
 
 def test_each_prompt_starts_differently_and_has_its_length():
