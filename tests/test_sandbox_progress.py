@@ -2,10 +2,11 @@
 fresh sandbox: the llama.cpp build's ninja steps and the model download's bytes, rate and ETA
 every few seconds, then how long each took.
 
-Stand-ins, stated plainly: the model comes from a loopback server that trickles it at 2 MiB/s
-(so the download outlasts several polls), llama.cpp from the sandbox's `git daemon` mirror; the
-build is a real ninja build in a fresh build directory, one compiler at a time (through the
-shared ccache, warm after the first run: cold, the build takes 9 minutes)."""
+Stand-ins, stated plainly: the model comes from a loopback server that trickles it at 6 MiB/s
+(so the download of its 94 MiB outlasts several of the 3 s prints), llama.cpp from the
+sandbox's `git daemon` mirror; the build is a real ninja build in a fresh build directory, one
+compiler at a time (through the shared ccache, warm after the first run: cold, the build takes
+9 minutes)."""
 
 from __future__ import annotations
 
@@ -52,13 +53,13 @@ def sandbox_info():
 
 @pytest.fixture
 def trickled_model():
-    """The sandbox's model file served at 2 MiB/s on a free loopback port."""
+    """The sandbox's model file served at 6 MiB/s on a free loopback port."""
     from llamarig_sandbox import sandbox
     from llamarig_sandbox.fileserver import make_server
 
     server = make_server(sandbox.WWW_DIR, 0)
     server.RequestHandlerClass.chunk_bytes = 256 << 10
-    server.RequestHandlerClass.chunk_pause = 0.125
+    server.RequestHandlerClass.chunk_pause = 0.04
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}/{sandbox.MODEL_NAME}"
     server.shutdown()

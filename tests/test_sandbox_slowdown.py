@@ -4,7 +4,8 @@ answers, but decodes markedly slower than the version that served, measured in t
 (pace.ROUNDS looks at each), so the deploy rolls it back and fails with both speeds and their
 spread; the rig converges again without a change. Then the record of the version that served
 is inflated fivefold (as a record taken at a quiet moment of a busy host looks): a version just
-as fast (without `--metrics`) is measured side by side with the last one and stays. Last, the
+as fast (without `--metrics`, and without the API key of the last one) is measured side by side
+with the last one, which starts again with its key, and stays; then the key files go. Last, the
 new version is slowed while it is measured, until the last version is measured again (a busy
 spell, as failed a CI run): its look after the last version's finds it as fast, and it stays.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import shlex
 import signal
 import threading
@@ -98,15 +100,21 @@ def halted_half_the_time(matches: Callable[[list[str]], bool]) -> Iterator[threa
 
 
 def inventory(
-    directory: Path, threads: int, metrics: bool = True, max_slowdown: float = 0.1
+    directory: Path,
+    threads: int,
+    metrics: bool = True,
+    max_slowdown: float = 0.1,
+    api_key_file: Path | None = None,
 ) -> Path:
     """The demo rig (SmolLM2 and its answer) on this module's sandbox with ``threads``."""
+    keyed = {"api_key_file": str(api_key_file)} if api_key_file else {}
     return sandboxes.demo_rig_inventory(
-        directory / f"threads-{threads}{'' if metrics else '-no-metrics'}-{max_slowdown}.yml",
+        directory / f"threads-{threads}{'' if metrics else '-no-metrics'}-{max_slowdown}"
+        f"{'-keyed' if keyed else ''}.yml",
         NAME,
         SSH_PORT,
         lambda rig: rig["server"].update(
-            port=SERVER_PORT, threads=threads, metrics=metrics, max_slowdown=max_slowdown
+            port=SERVER_PORT, threads=threads, metrics=metrics, max_slowdown=max_slowdown, **keyed
         ),
     )
 
@@ -160,15 +168,24 @@ def test_a_slower_version_is_rolled_back_with_both_speeds(rig):
 
 
 def test_a_record_from_a_quieter_moment_does_not_refuse_an_equal_version(rig):
+    # The version that served holds an API key; the new one has none. Side by side, the last
+    # version is started again with its key (loaded as a credential), so the key files may go
+    # only once the new version is kept: measured without its key, it would answer 401.
     info, directory = rig
+    key = secrets.token_hex(24)
+    key_file = directory / "rig.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
     record = f"/var/lib/llamarig/last-good/{SERVICE}/decode-tps"
-    sandboxes.converge(inventory(directory, threads=2))
+    sandboxes.converge(inventory(directory, threads=2, api_key_file=key_file))
     measured = float(in_sandbox(info, f"head -n1 {record}"))
     in_sandbox(info, f"sed -i '1s/.*/{measured * 5:.1f}/' {record}")
 
     result = sandboxes.deploy(inventory(directory, threads=2, metrics=False))
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"an equally fast version must serve:\n{output[-4000:]}"
+    assert key not in output
+    assert in_sandbox(info, "ls /etc/llamarig") == "llama-server.env", "the key files stay"
     print("\n".join(line for line in output.splitlines() if "decodes at" in line))
     assert "measuring the last version that served again, side by side" in output
     # Measured in turns, the two are as fast: the new version reaches the last one's best (or,
