@@ -76,8 +76,10 @@ OTHER_DEVICE = "/dev/cpu/0/cpuid"
 BROKEN = ["--lora", "/srv/llamarig/models/no-such-adapter.gguf"]
 LLAMA_BENCH_REPETITIONS = 5
 NOOP_PAIRS = 5
-# BENCH_STEPS=converge: stop after the converges (a short call when device time is short).
+# BENCH_STEPS=converge: stop after the converges (a short call when device time is short);
+# throughput: after them, `llamarig tune --for throughput` and the deploys that apply it.
 STEPS = os.environ.get("BENCH_STEPS", "all")
+THROUGHPUT_MINUTES = 8
 
 results: dict = {"started": bench.now()}
 host_yaml = yaml.safe_load(SHIPPED_RIG.read_text())["all"]["children"]["gpu"]["hosts"][HOST_NAME]
@@ -590,6 +592,51 @@ def overheads_and_tune() -> None:
     )
 
 
+def tune_for_throughput() -> None:
+    """Issue 29 on the GPU: `llamarig tune --for throughput` loads temporary servers of the
+    rig's build and model with as many clients as slots, writes the winner, the next deploy
+    serves it and the one after changes nothing. The shipped rig sets server.parallel (one
+    stream, for the decode steps), which would win over the tuned value: dropped here first."""
+    rig = yaml.safe_load(RIG.read_text())
+    rig["all"]["children"]["gpu"]["hosts"][HOST_NAME]["server"].pop("parallel", None)
+    RIG.write_text(yaml.safe_dump(rig))
+    start = time.monotonic()
+    tune = subprocess.run(
+        [sys.executable, "-m", "llamarig.cli", "tune", "--for", "throughput",
+         "--minutes", str(THROUGHPUT_MINUTES)],
+        cwd=ROOT, env=bench.env_for(RIG), capture_output=True, text=True,
+        timeout=THROUGHPUT_MINUTES * 60 + 300,
+    )  # fmt: skip
+    (LOGS / "tune-throughput.log").write_text(tune.stdout + tune.stderr)
+    tuned = RIG.parent / "tuned" / f"{HOST_NAME}.yml"
+    results["tune_throughput"] = {
+        "rc": tune.returncode,
+        "seconds": round(time.monotonic() - start, 1),
+        "output": tune.stdout[-6000:],
+        "tuned": tuned.read_text() if tuned.exists() else None,
+    }
+    save()
+    if not check(
+        "llamarig tune --for throughput writes a tuned file",
+        tune.returncode == 0 and tuned.exists(),
+        (tune.stdout + tune.stderr)[-1500:],
+    ):
+        return
+    applied, _ = deploy(RIG, "converge-throughput.log")
+    again, _ = deploy(RIG, "converge-throughput-again.log")
+    served = cmdline(main_pid())
+    results["tune_throughput"].update(applied=applied, again=again, cmdline=served)
+    slots = yaml.safe_load(tuned.read_text())["server"]["parallel"]
+    check(
+        "the deploy serves the tuned slots and the next one changes nothing",
+        applied["rc"] == 0
+        and again["rc"] == 0
+        and again.get("changed") == 0
+        and f" -np {slots} " in served,
+        {"applied": applied.get("changed_ops"), "again": again.get("changed_ops"), "argv": served},
+    )
+
+
 def measure(data: dict, base: str) -> None:
     """Decode through the unit, memory against the plan; then the launcher; then llama-bench."""
     plan = bench.plan_for(data, MODEL)
@@ -768,6 +815,9 @@ def main() -> int:
     noop_against_bare(RIG)
     save()
     if STEPS == "converge":
+        return finish()
+    if STEPS == "throughput":
+        tune_for_throughput()
         return finish()
     build = in_container("cat /opt/llamarig/current/.llamarig-build.json").stdout
     cache = "/opt/llamarig/current/CMakeCache.txt"
