@@ -264,9 +264,12 @@ def test_a_noop_converge_with_every_slot_busy_sends_no_completion(sandbox_info):
             time.sleep(0.5)
         assert all(slot["is_processing"] for slot in slots), slots
         # In turns with the cheapest pyinfra run against the same host, a bare `exec -- true`:
-        # the no-op converge must not queue behind the users' requests.
+        # the no-op converge must not queue behind the users' requests. Queued, it took 24
+        # times as long (28.4 against 1.2 s); not queued, its own planning and facts compete
+        # for the CPUs with both busy slots and the other lane's work: 2.35 times in one CI
+        # run (2.00 against 0.85 s), 1.43 on an idle H200 rig.
         noop_seconds, bare_seconds = [], []
-        for _ in range(2):
+        for _ in range(3):
             seconds, _, status = timed(bare_exec)
             assert status == 0
             bare_seconds.append(seconds)
@@ -279,7 +282,7 @@ def test_a_noop_converge_with_every_slot_busy_sends_no_completion(sandbox_info):
             assert changed_operations(results) == []
             assert "serving: 2 of 2 slots busy (no probe completion sent" in output, output[-4000:]
     print(f"no-op converge {noop_seconds} s, bare exec {bare_seconds} s")
-    assert min(noop_seconds) <= 2 * min(bare_seconds), (noop_seconds, bare_seconds)
+    assert min(noop_seconds) <= 3 * min(bare_seconds), (noop_seconds, bare_seconds)
 
 
 def bare_exec() -> subprocess.CompletedProcess:
