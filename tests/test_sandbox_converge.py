@@ -362,16 +362,18 @@ def slots_busy(info) -> int:
 
 def test_a_restart_waits_for_the_requests_in_flight(sandbox_info, tmp_path):
     converge()
-    # 2 waves of 2 (the rig's slots): the deploy reaches its restart well within them. Every
-    # bound here is one no machine's load reaches (the waves took 611 s once, beside a busy
-    # loop, a build and a test run on 2 CPUs): this test is about waiting, the next about the
-    # bound.
+    # Two long completions hold the rig's 2 slots until well after the deploy reaches its
+    # restart; two short ones wait for a slot behind them (queued requests are in flight too).
+    # Every bound here is one no machine's load reaches (the requests took 611 s once, beside a
+    # busy loop, a build and a test run on 2 CPUs): this test is about waiting, the next about
+    # the bound.
     bound = 3000
-    clients = streaming_chats(4, tokens=900, bound=bound)
-    for _ in range(120):  # until the first two hold both slots
+    clients = streaming_chats(2, tokens=900, bound=bound)
+    for _ in range(120):  # until the two hold both slots
         if slots_busy(sandbox_info) == 2:
             break
         time.sleep(0.25)
+    clients += streaming_chats(2, tokens=100, bound=bound)
     changed = variant(tmp_path, server={"ctx": 4096, "drain_timeout": bound})
     result = deploy(changed)
     endings = [stream_ending(client, bound) for client in clients]
