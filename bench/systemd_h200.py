@@ -88,6 +88,7 @@ SSH = host_yaml["ssh"]
 # A shipped inventory loads on any machine, so it cannot name a key file only this one has.
 API_KEY_FILE = bench.WORK / "api-key"
 RIG = bench.WORK / f"{HOST_NAME}.yml"
+TUNED = RIG.parent / "tuned" / f"{HOST_NAME}.yml"
 SERVICE = "llama-server"
 UNIT = f"{SERVICE}.service"
 
@@ -567,29 +568,44 @@ def overheads_and_tune() -> None:
         any("measured on this rig" in n for n in notes),
         notes,
     )
-    start = time.monotonic()
-    tune = subprocess.run(
-        [sys.executable, "-m", "llamarig.cli", "tune", "--minutes", "4"],
-        cwd=ROOT, env=bench.env_for(RIG), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    (LOGS / "tune.log").write_text(tune.stdout + tune.stderr)
-    tuned = RIG.parent / "tuned" / f"{HOST_NAME}.yml"
-    results["tune"] = {
-        "rc": tune.returncode,
-        "seconds": round(time.monotonic() - start, 1),
-        "output": tune.stdout[-4000:],
-        "tuned": tuned.read_text() if tuned.exists() else None,
-    }
-    if not check("llamarig tune writes a tuned file", tune.returncode == 0 and tuned.exists()):
+    tune = run_tune("tune", "tune.log", ["--minutes", "4"], timeout=900)
+    if not check("llamarig tune writes a tuned file", tune.returncode == 0 and TUNED.exists()):
         return
-    applied, _ = deploy(RIG, "converge-tuned.log")
-    again, _ = deploy(RIG, "converge-tuned-again.log")
-    results["tune"].update(applied=applied, again=again)
+    applied, again = deploy_tuned("tune", "converge-tuned")
     check(
         "the deploy applies the tuned file and the next one changes nothing",
         applied["rc"] == 0 and again["rc"] == 0 and again.get("changed") == 0,
         {"applied": applied.get("changed_ops"), "again": again.get("changed_ops")},
     )
+
+
+def run_tune(
+    key: str, log_name: str, arguments: list[str], timeout: float
+) -> subprocess.CompletedProcess:
+    """`llamarig tune ARGUMENTS` against the rig: its output in LOGS/log_name, and
+    results[key] with its exit status, seconds, output and the tuned file it wrote."""
+    start = time.monotonic()
+    tune = subprocess.run(
+        [sys.executable, "-m", "llamarig.cli", "tune", *arguments],
+        cwd=ROOT, env=bench.env_for(RIG), capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    (LOGS / log_name).write_text(tune.stdout + tune.stderr)
+    results[key] = {
+        "rc": tune.returncode,
+        "seconds": round(time.monotonic() - start, 1),
+        "output": tune.stdout[-6000:],
+        "tuned": TUNED.read_text() if TUNED.exists() else None,
+    }
+    save()
+    return tune
+
+
+def deploy_tuned(key: str, log_stem: str) -> tuple[dict, dict]:
+    """The deploy that applies the tuned file and the one after it, recorded in results[key]."""
+    applied, _ = deploy(RIG, f"{log_stem}.log")
+    again, _ = deploy(RIG, f"{log_stem}-again.log")
+    results[key].update(applied=applied, again=again)
+    return applied, again
 
 
 def tune_for_throughput() -> None:
@@ -600,33 +616,22 @@ def tune_for_throughput() -> None:
     rig = yaml.safe_load(RIG.read_text())
     rig["all"]["children"]["gpu"]["hosts"][HOST_NAME]["server"].pop("parallel", None)
     RIG.write_text(yaml.safe_dump(rig))
-    start = time.monotonic()
-    tune = subprocess.run(
-        [sys.executable, "-m", "llamarig.cli", "tune", "--for", "throughput",
-         "--minutes", str(THROUGHPUT_MINUTES)],
-        cwd=ROOT, env=bench.env_for(RIG), capture_output=True, text=True,
+    tune = run_tune(
+        "tune_throughput",
+        "tune-throughput.log",
+        ["--for", "throughput", "--minutes", str(THROUGHPUT_MINUTES)],
         timeout=THROUGHPUT_MINUTES * 60 + 300,
-    )  # fmt: skip
-    (LOGS / "tune-throughput.log").write_text(tune.stdout + tune.stderr)
-    tuned = RIG.parent / "tuned" / f"{HOST_NAME}.yml"
-    results["tune_throughput"] = {
-        "rc": tune.returncode,
-        "seconds": round(time.monotonic() - start, 1),
-        "output": tune.stdout[-6000:],
-        "tuned": tuned.read_text() if tuned.exists() else None,
-    }
-    save()
+    )
     if not check(
         "llamarig tune --for throughput writes a tuned file",
-        tune.returncode == 0 and tuned.exists(),
+        tune.returncode == 0 and TUNED.exists(),
         (tune.stdout + tune.stderr)[-1500:],
     ):
         return
-    applied, _ = deploy(RIG, "converge-throughput.log")
-    again, _ = deploy(RIG, "converge-throughput-again.log")
+    applied, again = deploy_tuned("tune_throughput", "converge-throughput")
     served = cmdline(main_pid())
-    results["tune_throughput"].update(applied=applied, again=again, cmdline=served)
-    slots = yaml.safe_load(tuned.read_text())["server"]["parallel"]
+    results["tune_throughput"]["cmdline"] = served
+    slots = yaml.safe_load(TUNED.read_text())["server"]["parallel"]
     check(
         "the deploy serves the tuned slots and the next one changes nothing",
         applied["rc"] == 0
