@@ -4,6 +4,7 @@ an inventory, run commands in a sandbox, boot one for a test module."""
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable
@@ -115,6 +116,16 @@ def demo_rig_inventory(path: Path, name: str, ssh_port: int, edit: Callable[[dic
     hosts[name] = rig
     path.write_text(yaml.safe_dump(document))
     return path
+
+
+def new_api_key(directory: Path) -> tuple[str, Path]:
+    """A fresh API key and the root-only file ``directory/rig.key`` that holds it (what
+    ``server.api_key_file`` names)."""
+    key = secrets.token_hex(24)
+    key_file = directory / "rig.key"
+    key_file.write_text(key + "\n")
+    key_file.chmod(0o600)
+    return key, key_file
 
 
 def in_sandbox(info, command: str) -> str:

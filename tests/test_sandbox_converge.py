@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import shlex
 import subprocess
 import sys
@@ -552,10 +551,7 @@ def test_verify_names_an_exposed_port_and_the_deploy_repairs_it(sandbox_info):
 
 
 def test_api_key_protects_a_network_listener_and_stays_secret(sandbox_info, tmp_path):
-    key = secrets.token_hex(24)
-    key_file = tmp_path / "rig.key"
-    key_file.write_text(key + "\n")
-    key_file.chmod(0o600)
+    key, key_file = sandboxes.new_api_key(tmp_path)
     inventory = variant(tmp_path, server={"host": "0.0.0.0", "api_key_file": str(key_file)})
     result = deploy(inventory, "-v")
     assert result.returncode == 0, result.stderr[-4000:]

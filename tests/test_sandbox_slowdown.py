@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import shlex
 import signal
 import threading
@@ -172,10 +171,7 @@ def test_a_record_from_a_quieter_moment_does_not_refuse_an_equal_version(rig):
     # version is started again with its key (loaded as a credential), so the key files may go
     # only once the new version is kept: measured without its key, it would answer 401.
     info, directory = rig
-    key = secrets.token_hex(24)
-    key_file = directory / "rig.key"
-    key_file.write_text(key + "\n")
-    key_file.chmod(0o600)
+    key, key_file = sandboxes.new_api_key(directory)
     record = f"/var/lib/llamarig/last-good/{SERVICE}/decode-tps"
     sandboxes.converge(inventory(directory, threads=2, api_key_file=key_file))
     measured = float(in_sandbox(info, f"head -n1 {record}"))
