@@ -1089,6 +1089,74 @@ def restart_service(
     yield f"systemctl reset-failed -- {quoted} 2>/dev/null || true; systemctl restart -- {quoted}"
 
 
+@operation(is_idempotent=False)
+def restart_rpc_head(head: str, service: str, base_url: str, timeout: int, worker: str):
+    """
+    Restart the head whose RPC worker restarted, over the head's own connection, and wait until
+    it serves: the head's llama-server holds its model buffers on the worker, which a restart
+    empties, so its next request would abort it (ggml-rpc: "Remote RPC server crashed or
+    returned malformed response") and systemd would restart it under the users' requests. A
+    head that is not running (stopped, or not deployed yet) is left as it is. Run it after the
+    worker's restart, whose drain already waited for the head's requests in flight.
+
+    + head: the inventory host the head runs on
+    + service: its llama-server unit, e.g. ``llama-server.service``
+    + base_url: where the head reaches its own server, e.g. ``http://127.0.0.1:8080``
+    + timeout: seconds the head gets to serve again (its ``server.start_timeout``)
+    + worker: what restarted, for the messages, e.g. ``ggml-rpc-server.service``
+
+    **Example:**
+
+    .. code:: python
+
+        restart_rpc_head(
+            head="gpu-head",
+            service="llama-server.service",
+            base_url="http://127.0.0.1:8080",
+            timeout=600,
+            worker="ggml-rpc-server.service",
+        )
+    """
+    label = f"{service} on {head}"
+    quoted = shlex.quote(service)
+    not_running = shlex.quote(f"llamarig: {label} is not running: left as it is")
+    serves = shlex.quote(f"llamarig: {label}, restarted after {worker}, serves again")
+    broken = shlex.quote(f"llamarig: {label}, restarted after {worker}, does not serve: ")
+    script = (
+        _serving_check(base_url, service, timeout)
+        + f"""
+if [ "$(systemctl show -P ActiveState -- {quoted})" = inactive ]; then
+  echo {not_running}; exit 0
+fi
+systemctl reset-failed -- {quoted} 2>/dev/null || true
+systemctl restart -- {quoted}
+if serving; then echo {serves}; exit 0; fi
+echo {broken}"$why; its journal:"
+journalctl -u {quoted} -n 20 --no-pager -o cat
+exit 1
+"""
+    )
+
+    def restarted(state, host) -> bool:
+        server_host = state.inventory.get_host(head)
+        server_host.connect(reason=f"to restart it after {worker}", show_errors=False)
+        if not server_host.connected:
+            host.log_styled(
+                f"llamarig: {head} is not reachable, so {service} there was not restarted after "
+                f"{worker}: its next request would abort it; converge {head} or run "
+                f"`systemctl restart {service}` there",
+                fg="red",
+                log_func=logger.error,
+            )
+            return False
+        succeeded, output = server_host.run_shell_command(StringCommand(script))
+        for line in output.output_lines:
+            host.log(line, log_func=logger.info if succeeded else logger.error)
+        return succeeded
+
+    yield FunctionCommand(restarted, (), {})
+
+
 @operation()
 def driver_packages(packages: list[str], dkms_package: str | None = None):
     """

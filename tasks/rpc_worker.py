@@ -1,5 +1,6 @@
 """RPC worker: the ggml-rpc-server unit of a host that lends its GPUs to a head, restarted when
-it or the build changed, then a bounded wait until it accepts connections."""
+it or the build changed (after the head's requests in flight), then a bounded wait until it
+accepts connections, then the head restarted, which a worker's restart leaves unable to serve."""
 
 from io import StringIO
 
@@ -54,5 +55,15 @@ def _worker(rig: dict, restart_on: list[OperationMeta]) -> list[OperationMeta]:
         timeout=60,
         _if=any_changed(started, restarted),
     )
+    if head:
+        operations.restart_rpc_head(
+            name=f"Restart {head['service']} on {head['name']} (its RPC worker restarted)",
+            head=head["name"],
+            service=head["service"],
+            base_url=head["url"],
+            timeout=head["start_timeout"],
+            worker=rpc_service,
+            _if=any_changed(started, restarted),
+        )
     stage.prune_builds(rig)
     return [*inputs, started]

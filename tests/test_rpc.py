@@ -116,7 +116,7 @@ def test_a_head_cannot_use_a_standalone_box_nor_set_endpoints(write_inventory):
     )
 
 
-def test_each_worker_knows_the_head_server_it_drains_before_a_restart(write_inventory):
+def test_each_worker_knows_the_head_server_it_drains_and_restarts(write_inventory):
     inventory = load_inventory(
         pair(write_inventory, head_extra=', host: "::1", port: 8081, drain_timeout: 30')
     )
@@ -126,6 +126,7 @@ def test_each_worker_knows_the_head_server_it_drains_before_a_restart(write_inve
             "url": "http://[::1]:8081",  # asked on the head
             "service": "llama-server.service",
             "drain_timeout": 30,
+            "start_timeout": 600,  # the head's default: it restarts after the worker
         }
     assert "head" not in inventory.hosts["head"].data["rpc"]
     # A worker no head names has nothing to drain.

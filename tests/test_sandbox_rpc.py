@@ -120,9 +120,10 @@ def rpc_variant(tmp_path, head_server: dict, worker_rpc: dict):
     return path
 
 
-def test_a_worker_restart_waits_for_the_head_requests_in_flight(head, worker, tmp_path):
+def test_a_worker_restart_drains_its_head_then_restarts_it(head, worker, tmp_path):
     """A head's request runs on its worker too: the worker's restart drains the head first
-    (asked on the head, over its own connection), and the requests end normally."""
+    (asked on the head, over its own connection) and the requests end normally; then the head,
+    whose model buffers on the worker the restart emptied, is restarted and serves at once."""
     waiting = (
         r"waiting for 1 of 1 slots of llama-server.service on rpc-head to finish their requests "
         r"before restarting ggml-rpc-server.service"
@@ -132,15 +133,13 @@ def test_a_worker_restart_waits_for_the_head_requests_in_flight(head, worker, tm
     # be longer than the model's trained context (2,048 tokens: llama-server caps a slot
     # there), so a try that found nothing to wait for (and whose requests ended normally,
     # unrestarted) is made again with three times as many, queued for the head's one slot.
-    # Each converge changes the head's ctx too: a head whose worker restarted serves again only
-    # once it restarts itself (the deploy does not restart it for its worker's sake yet).
-    for count, ctx in ((1, 32768), (3, 16384), (9, 8192)):
-        # The worker back at its default threads, the head restarted after it.
-        sandboxes.converge(rpc_variant(tmp_path, {"ctx": ctx}, {}))
+    changed = rpc_variant(tmp_path, {}, {"threads": 1})  # the worker's unit changes
+    for count in (1, 3, 9):
+        sandboxes.converge(INVENTORY)  # the worker back at its default threads
         clients, slots = streaming_completions(head, count)
         assert any(slot["is_processing"] for slot in slots), slots
         worker_pid = in_sandbox(worker, "systemctl show -P MainPID ggml-rpc-server")
-        changed = rpc_variant(tmp_path, {"ctx": ctx}, {"threads": 1})  # the worker's unit changes
+        head_pid = in_sandbox(head, "systemctl show -P MainPID llama-server")
         result = deploy(changed, "--limit", "rpc-worker")
         output = result.stdout + result.stderr
         streams = [client.communicate(timeout=1200)[0] for client in clients]
@@ -156,10 +155,18 @@ def test_a_worker_restart_waits_for_the_head_requests_in_flight(head, worker, tm
     for stream in streams:
         last = json.loads(stream.rsplit("data: ", 1)[-1].split("\n", 1)[0])
         assert last["stop"] and last["stop_type"] == "limit", last
-    # The head, which lost its worker's connection, serves again after a converge that
-    # restarts it (its ctx back to the inventory's).
-    sandboxes.converge(INVENTORY)
+    # The head was restarted after the worker, by the worker's deploy (the head is not in its
+    # --limit), and serves without a crash. Without that restart, its next request aborted it
+    # (ggml-rpc: "Remote RPC server crashed or returned malformed response") and systemd
+    # restarted it (test run of 2026-12-03 against the code before).
+    restarted = "llama-server.service on rpc-head, restarted after ggml-rpc-server.service"
+    assert f"{restarted}, serves again" in output, output[-4000:]
+    new_head_pid = in_sandbox(head, "systemctl show -P MainPID llama-server")
+    assert new_head_pid != head_pid
     assert complete()["tokens_predicted"] == 8
+    assert in_sandbox(head, "systemctl show -P MainPID llama-server") == new_head_pid
+    results = sandboxes.converge(changed)
+    assert results["totals"]["success"] == 0, changed_operations(results)
 
 
 def streaming_completions(head, count: int) -> tuple[list[subprocess.Popen], list[dict]]:

@@ -100,8 +100,8 @@ def rpc_endpoint(worker: HostConfig) -> str:
 
 def derive_rpc(hosts: dict[str, HostConfig]) -> None:
     """Write each head's rpc.endpoints and rpc.worker_gpus (so --rpc is never typed twice)
-    and each worker's rpc.head (the server it drains before it restarts); run after the checks
-    passed."""
+    and each worker's rpc.head (the server it drains before it restarts, and restarts after
+    it); run after the checks passed."""
     for head in hosts.values():
         if head.data["role"] != "rpc-head":
             continue
@@ -111,10 +111,11 @@ def derive_rpc(hosts: dict[str, HostConfig]) -> None:
         server = head.data["server"]
         for worker in rpc_workers(head, hosts):
             # What the worker's restart drains first: the head's requests in flight, which
-            # end when the worker they run on goes away.
+            # end when the worker they run on goes away; then the head restarts too.
             worker.data["rpc"]["head"] = {
                 "name": head.name,
                 "url": local_url(server["host"], server["port"]),
                 "service": f"{server['service']}.service",
                 "drain_timeout": server["drain_timeout"],
+                "start_timeout": server["start_timeout"],
             }
