@@ -4,8 +4,9 @@
 # sandbox scenarios (tests/conftest.py, SCENARIO_LANES) and runs it to the end, the other the
 # unit tests one by one, then the next lane. The sandbox's roots and downloads are prepared
 # beside them from the start (network-bound work: debootstrap, PyPI); a scenario's `up` waits
-# for them. Two workers, not one per CPU: a scenario compiles on every CPU. Then, in `all`, the
-# scenarios marked `alone`, by themselves.
+# for them. Two workers, not one per CPU: a scenario compiles on every CPU (a third worker made
+# the main phase 23% longer, docs/testing.md). Then, in `all`, the scenarios marked `alone`, by
+# themselves.
 set -uo pipefail
 tier=${1:-} bin=${2:-.venv/bin}
 case "$tier" in
