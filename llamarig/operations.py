@@ -1034,6 +1034,14 @@ def drain(
         time.sleep(DRAIN_POLL_S)
 
 
+def connected_host(state, name: str, reason: str):
+    """The inventory host ``name``, connected over its own connection (also when this run's
+    --limit leaves it out), or None when it cannot be reached."""
+    other = state.inventory.get_host(name)
+    other.connect(reason=reason, show_errors=False)
+    return other if other.connected else None
+
+
 @operation(is_idempotent=False)
 def restart_service(
     service: str,
@@ -1070,9 +1078,10 @@ def restart_service(
             if not drain_host:
                 drain(host, drain_url, service, drain_timeout)
                 return True
-            server_host = state.inventory.get_host(drain_host)
-            server_host.connect(reason=f"to drain it before {service} restarts", show_errors=False)
-            if not server_host.connected:
+            server_host = connected_host(
+                state, drain_host, f"to drain it before {service} restarts"
+            )
+            if not server_host:
                 host.log_styled(
                     f"llamarig: {drain_host} is not reachable, so its requests in flight on "
                     f"{drain_service} were not waited for: restarting {service}",
@@ -1085,8 +1094,13 @@ def restart_service(
             return True
 
         yield FunctionCommand(drained, (), {})
+    yield restart_command(service)
+
+
+def restart_command(service: str) -> str:
+    """Restart ``service`` on purpose: its start rate limit (meant for crash loops) reset first."""
     quoted = shlex.quote(service)
-    yield f"systemctl reset-failed -- {quoted} 2>/dev/null || true; systemctl restart -- {quoted}"
+    return f"systemctl reset-failed -- {quoted} 2>/dev/null || true; systemctl restart -- {quoted}"
 
 
 @operation(is_idempotent=False)
@@ -1128,8 +1142,7 @@ def restart_rpc_head(head: str, service: str, base_url: str, timeout: int, worke
 if [ "$(systemctl show -P ActiveState -- {quoted})" = inactive ]; then
   echo {not_running}; exit 0
 fi
-systemctl reset-failed -- {quoted} 2>/dev/null || true
-systemctl restart -- {quoted}
+{restart_command(service)}
 if serving; then echo {serves}; exit 0; fi
 echo {broken}"$why; its journal:"
 journalctl -u {quoted} -n 20 --no-pager -o cat
@@ -1138,9 +1151,8 @@ exit 1
     )
 
     def restarted(state, host) -> bool:
-        server_host = state.inventory.get_host(head)
-        server_host.connect(reason=f"to restart it after {worker}", show_errors=False)
-        if not server_host.connected:
+        server_host = connected_host(state, head, f"to restart it after {worker}")
+        if not server_host:
             host.log_styled(
                 f"llamarig: {head} is not reachable, so {service} there was not restarted after "
                 f"{worker}: its next request would abort it; converge {head} or run "
