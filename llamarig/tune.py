@@ -6,7 +6,8 @@ and a prompt of PROMPT_TOKENS (what the micro-batch size changes):
 split modes, the planned ratio and its neighbours and micro-batch sizes on a GPU rig; threads
 and micro-batch sizes on a CPU rig. Each candidate is planned first (the memory plan refuses
 what would not fit) and measured once per run of the command; results are kept in a sweep file
-next to the tuned file, so a run cut short by its time bound resumes where it stopped. The
+next to the tuned file, so a run cut short by its time bound resumes where it stopped; a
+llama-bench run far slower than the quickest is cut on the host and kept as slower. The
 winner is the fastest decode; among decodes within ``KEEP_WITHIN`` of it, the fastest prompt
 processing; the planned configuration stays unless clearly beaten, so a re-run does not flip
 between equals. With speculative decoding (``server.spec.type``), each draft length is then
@@ -44,6 +45,14 @@ REPETITIONS = 3
 # llama-bench's spread between repetitions is about 1%: a candidate must beat the planned
 # configuration by more than this to replace it, so a re-run does not flip between equals.
 KEEP_WITHIN = 0.02
+# Every llama-bench run does the same work, so one that takes CUT_AFTER times as long as the
+# quickest so far (never less than CUT_FLOOR_SECONDS, a model load's share) is slower than it:
+# the host cuts it there (coreutils' timeout) instead of holding the sweep for minutes. Two
+# threads of which one shares its CPU with a busy process decode about 100-fold slower.
+CUT_AFTER = 5
+CUT_FLOOR_SECONDS = 60
+RUN_SECONDS = 600
+TIMED_OUT = 124  # coreutils timeout's status for a command it stopped
 # Speculative decoding (server.spec): llama-bench does not draft, so each draft length is
 # served by the deployed llama-server on a loopback port of its own and asked the same short
 # prompts, greedy; their median decode speed is the draft length's.
@@ -344,11 +353,17 @@ def sweep(
     ``sweep_file`` holds for the same build and model (``identity``)."""
     saved = _saved(sweep_file, identity)
     results = []
+    quickest = None  # seconds of the quickest run so far
     for candidate in candidates(plan, cpu_count):
         result = Measured(candidate)
         results.append(result)
         if candidate.label in saved:
-            result.tps, result.spread, result.prompt_tps = saved[candidate.label]
+            kept = saved[candidate.label]
+            if isinstance(kept, str):  # cut as slower: its run would be cut again
+                result.skipped = kept
+                say(f"  {candidate.label}: {kept} (measured before)")
+                continue
+            result.tps, result.spread, result.prompt_tps = kept
             say(f"  {candidate.label}: {result.tps:.1f} t/s (measured before)")
             continue
         trial = plan_host(plan.host, with_candidate(plan.resolved, candidate), **header_inputs)
@@ -359,7 +374,23 @@ def sweep(
             result.skipped = "not measured (time bound; run tune again to resume)"
             continue
         say(f"  {candidate.label}: measuring")
-        status, output, error = run(bench_command(plan, candidate), 600)
+        cut = RUN_SECONDS if quickest is None else max(CUT_FLOOR_SECONDS, CUT_AFTER * quickest)
+        remaining = deadline - time.monotonic()
+        limit = max(1, round(min(cut, remaining)))
+        started = time.monotonic()
+        command = f"timeout -k 5 {limit} {bench_command(plan, candidate)}"
+        status, output, error = run(command, limit + 30)
+        seconds = time.monotonic() - started
+        if status == TIMED_OUT:
+            if remaining < cut:
+                result.skipped = "not measured (time bound; run tune again to resume)"
+            elif quickest is None:
+                result.skipped = f"cut after {limit} s"
+            else:
+                result.skipped = f"cut after {limit} s (the quickest run took {quickest:.0f} s)"
+                saved[candidate.label] = result.skipped
+                _save(sweep_file, identity, saved)
+            continue
         try:
             if status:
                 raise ValueError(error.strip().splitlines()[-1] if error.strip() else "failed")
@@ -367,6 +398,7 @@ def sweep(
         except ValueError as problem:
             result.skipped = f"llama-bench failed: {problem}"
             continue
+        quickest = seconds if quickest is None else min(quickest, seconds)
         saved[candidate.label] = [result.tps, result.spread, result.prompt_tps]
         _save(sweep_file, identity, saved)
     return results

@@ -44,7 +44,11 @@ def inventory(directory: Path) -> Path:
         # No slowdown guard: on the shared 2-core machine one start decodes up to 20% slower
         # than the one before with the same settings, which would roll the tuned deploy back;
         # this test is about the tuned file reaching the unit (test_sandbox_slowdown has it).
-        rig["server"].update(port=SERVER_PORT, spec={"type": ["ngram-simple"]}, max_slowdown=None)
+        # One thread planned, so the first run (the planned one, which sets how long the others
+        # may take) is one a busy process on one CPU does not starve (test_sandbox_slowdown).
+        rig["server"].update(
+            port=SERVER_PORT, spec={"type": ["ngram-simple"]}, max_slowdown=None, threads=1
+        )
         rig["llama_cpp"]["targets"] = ["llama-server", "llama-bench"]
         # The slots are tune's to choose (--for throughput): a host's own setting would win.
         del rig["server"]["parallel"]

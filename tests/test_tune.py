@@ -12,14 +12,18 @@ import time
 import pytest
 import yaml
 
+from llamarig import tune as tune_module
 from llamarig.config import ConfigError, load_inventory
 from llamarig.config.inventory import tuned_path
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.hardware import memory_bandwidth_gbs
 from llamarig.plan import plan_host
 from llamarig.tune import (
+    CUT_AFTER,
+    CUT_FLOOR_SECONDS,
     DRAFT_MAX_VALUES,
     DRAFT_PROMPTS,
+    RUN_SECONDS,
     Candidate,
     DraftMeasured,
     Measured,
@@ -158,6 +162,56 @@ def test_the_sweep_stops_at_its_deadline_and_resumes(cpu_plan, tmp_path):
         deadline=time.monotonic() + 600, say=lambda line: None,
     )  # fmt: skip
     assert len(commands) == 2 * len(second) and len(other_build) == len(second)
+
+
+class FakeClock:
+    """time.monotonic for llamarig.tune, moved on by the fake runner's runs."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_a_run_far_slower_than_the_quickest_is_cut_on_the_host(cpu_plan, tmp_path, monkeypatch):
+    """A runner standing in for the host's shell: a run takes 10 s, one with two threads an
+    hour (a CPU shared with a busy loop); past its `timeout` it ends as coreutils' does."""
+    clock = FakeClock()
+    monkeypatch.setattr(tune_module, "time", clock)
+    limits = []
+
+    def run(command: str, timeout: float):
+        argv = shlex.split(command)
+        assert argv[:3] == ["timeout", "-k", "5"] and timeout > int(argv[3])
+        limit = int(argv[3])
+        limits.append(limit)
+        takes = 3600 if "-t" in argv and argv[argv.index("-t") + 1] == "2" else 10
+        clock.now += min(takes, limit)
+        return (124, "", "") if takes > limit else (0, BENCH_JSON, "")
+
+    args = (cpu_plan, {"header": None}, run, 2, tmp_path / "sweep.json", "build x, model y")
+    results = sweep(*args, deadline=clock.now + 3600, say=lambda line: None)
+    cut = max(CUT_FLOOR_SECONDS, CUT_AFTER * 10)
+    assert limits[0] == RUN_SECONDS and set(limits[1:]) == {cut}
+    two_threads = [r for r in results if r.candidate.threads == 2]
+    assert two_threads and all(r.tps is None for r in two_threads)
+    assert {r.skipped for r in two_threads} == {f"cut after {cut} s (the quickest run took 10 s)"}
+    assert all(r.tps == 41.25 for r in results if r.candidate.threads != 2)
+    assert winner(results, planned_candidate(cpu_plan)).candidate.threads != 2
+    # Run again, it resumes: the cut runs are slower, not unmeasured, and are not run again.
+    limits.clear()
+    again = sweep(*args, deadline=clock.now + 3600, say=lambda line: None)
+    assert limits == [] and [r.skipped for r in again] == [r.skipped for r in results]
+
+    # Near the deadline a run is bounded by what is left, and named a time bound, not slower.
+    limits.clear()
+    results = sweep(
+        cpu_plan, {"header": None}, run, 2, tmp_path / "other.json", "build x, model y",
+        deadline=clock.now + 8, say=lambda line: None,
+    )  # fmt: skip
+    assert limits[0] == 8
+    assert results[0].skipped == "not measured (time bound; run tune again to resume)"
 
 
 def test_the_roofline_uses_the_cards_bandwidth(h200_plan):
