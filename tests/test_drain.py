@@ -30,7 +30,7 @@ class Host:
 
 @pytest.fixture(autouse=True)
 def quick_polls(monkeypatch):
-    monkeypatch.setattr(operations, "DRAIN_POLL_S", 0.01)
+    monkeypatch.setattr(operations.systemd, "DRAIN_POLL_S", 0.01)
 
 
 def test_a_worker_restart_waits_for_the_head_requests_asked_on_the_head():

@@ -1,0 +1,119 @@
+"""apt: packages installed without prompts, the lists refreshed when stale, and the NVIDIA
+driver's packages with their DKMS build."""
+
+from __future__ import annotations
+
+import shlex
+
+from pyinfra import host
+from pyinfra.api import (
+    operation,
+)
+from pyinfra.facts.apt import noninteractive_apt
+
+from llamarig.facts import (
+    APT_UPDATE_STAMP,
+    AptListsAge,
+    PackageVersions,
+    known,
+)
+
+
+@operation()
+def driver_packages(packages: list[str], dkms_package: str | None = None):
+    """
+    Install NVIDIA driver packages with apt; when the DKMS module does not build, say why in one
+    message and leave apt and dpkg consistent (the half-configured driver packages are purged).
+
+    + packages: the driver packages (with the kernel headers)
+    + dkms_package: the package whose DKMS build can fail, e.g. ``nvidia-open-kernel-dkms``
+
+    **Example:**
+
+    .. code:: python
+
+        driver_packages(
+            packages=["nvidia-open-kernel-dkms", "nvidia-driver", "linux-headers-amd64"],
+            dkms_package="nvidia-open-kernel-dkms",
+        )
+    """
+    installed = known(PackageVersions, packages=sorted(packages))
+    missing = [package for package in packages if installed.get(package) is None]
+    if not missing:
+        host.noop(f"{', '.join(packages)} installed")
+        return
+    names = " ".join(shlex.quote(package) for package in packages)
+    dkms = shlex.quote(dkms_package or "")
+    dkms_name = shlex.quote(dkms_package or "the driver")
+    yield f"""
+export DEBIAN_FRONTEND=noninteractive
+log=/var/log/llamarig-driver-install.log
+if ! apt-get install -y --no-install-recommends {names} > $log 2>&1; then
+  make_log=$(ls -t /var/lib/dkms/*/*/build/make.log 2>/dev/null | head -1)
+  kernels=$(ls -d /lib/modules/*/build 2>/dev/null | cut -d/ -f4 | paste -sd' ')
+  error=$(grep -m1 -E 'error:' "$make_log" 2>/dev/null || grep -m1 -iE 'error' $log)
+  version=$(dpkg-query -W -f='${{Version}}' {dkms} 2>/dev/null)
+  # Remove what could not be configured, so apt and dpkg stay usable.
+  apt-get purge -y {names} >> $log 2>&1 || true
+  dpkg --configure -a >> $log 2>&1; apt-get -f install -y >> $log 2>&1
+  printf 'llamarig: the NVIDIA driver did not install: %s ' {dkms_name} >&2
+  echo "$version" \
+    "failed to build its kernel module for kernel(s) $kernels: $error." \
+    "The driver packages were removed again (apt and dpkg are consistent; full log: $log)." \
+    "Use driver.source nvidia-repo, or a kernel this packaged driver supports." >&2
+  exit 1
+fi
+""".strip()
+
+
+@operation()
+def apt_packages(packages: list[str], no_recommends: bool = False):
+    """
+    Install the packages of ``packages`` that are missing, with apt-get as pyinfra's
+    ``apt.packages`` runs it (non-interactive, keeping changed configuration files); reads only
+    these packages' state (``dpkg-query``), never a listing of every installed package.
+
+    + packages: names, or ``name=version`` to pin a version
+    + no_recommends: don't install recommended packages
+
+    **Example:**
+
+    .. code:: python
+
+        apt_packages(packages=["cmake", "ninja-build"], no_recommends=True)
+    """
+    wanted = [package.partition("=") for package in packages]
+    installed = known(PackageVersions, packages=sorted({name for name, _, _ in wanted}))
+    missing = [
+        package
+        for package, (name, pinned, version) in zip(packages, wanted, strict=True)
+        if installed.get(name) is None or (pinned and installed[name] != version)
+    ]
+    if not missing:
+        host.noop(f"{', '.join(packages)} installed")
+        return
+    install = "install --no-install-recommends" if no_recommends else "install"
+    yield f"{noninteractive_apt(install)} {' '.join(shlex.quote(p) for p in missing)}"
+
+
+@operation()
+def apt_lists_fresh(max_age: int = 3600):
+    """
+    ``apt-get update`` when the lists are older than ``max_age`` seconds (or were never
+    updated through the stamp), as pyinfra's ``apt.update(cache_time=max_age)`` does, from one
+    fact rather than two.
+
+    + max_age: seconds the lists stay fresh
+
+    **Example:**
+
+    .. code:: python
+
+        apt_lists_fresh(max_age=3600)
+    """
+    age = known(AptListsAge)
+    if age is not None and age < max_age:
+        host.noop("apt is already up to date")
+        return
+    yield "apt-get update"
+    yield f"touch {APT_UPDATE_STAMP}"

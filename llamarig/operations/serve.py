@@ -1,0 +1,615 @@
+"""Serving: a new version started and kept only when it serves (answers, speed), else
+rolled back; the port and endpoint checks; RPC workers and the head that uses them; the
+server's flags checked against the built binary."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import time
+
+from pyinfra import host, logger
+from pyinfra.api import (
+    FunctionCommand,
+    StringCommand,
+    operation,
+)
+
+from llamarig import deploy_record, pace
+from llamarig.answers import Answer, verdict
+from llamarig.answers import check_command as answer_check_command
+from llamarig.answers import parse_output as parse_answer_output
+from llamarig.facts import (
+    PROBE_CONNECT_S,
+    PROBE_MAX_S,
+    MeasuredOverheads,
+    ServerProbe,
+    UnitState,
+    known,
+)
+from llamarig.llama_args import option_name
+from llamarig.operations.host import connected_host, fail_command
+from llamarig.operations.systemd import drain, restart_command
+from llamarig.render import CURL_AUTH
+
+
+def _serving_check(base_url: str, service: str, timeout: int) -> str:
+    """Shell function ``serving``: waits until the unit answers /health with 200 and serves a
+    4-token completion; returns 1 (with why in $why) when it crashes, or on timeout."""
+    q_service = shlex.quote(service)
+    health, completion = shlex.quote(f"{base_url}/health"), shlex.quote(f"{base_url}/completion")
+    crashed = shlex.quote(f"{service} exited while starting")
+    not_ready = shlex.quote(f"{base_url}/health not ready after {int(timeout)} s")
+    failed = shlex.quote(f"{base_url}/completion failed")
+    return f"""
+serving() {{
+  deadline=$(( $(date +%s) + {int(timeout)} ))
+  until [ "$(curl -s -o /dev/null -w '%{{http_code}}' -- {health})" = 200 ]; do
+    # A crash shows as `failed`, or as `auto-restart` while Restart= tries again.
+    state="$(systemctl show -P ActiveState -- {q_service})"
+    case "$state/$(systemctl show -P SubState -- {q_service})" in
+      failed/*|*/auto-restart) why={crashed}; return 1 ;;
+    esac
+    if [ $(date +%s) -ge $deadline ]; then
+      why={not_ready}; return 1
+    fi
+    sleep 1
+  done
+  body='{{"prompt": "Hello", "n_predict": 4, "temperature": 0}}'
+  answer=$(curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d "$body" \\
+    -- {completion}) || {{ why={failed}; return 1; }}
+  case "$answer" in *'"content"'*) ;; *) why="unexpected completion: $answer"; return 1 ;; esac
+}}
+"""
+
+
+@operation()
+def record_gpu_overheads(
+    directory: str, build: str, split_mode: str, gpu_indices: list[int], buffers_mib: list[int]
+):
+    """
+    Record, once per build and split mode, what nvidia-smi shows on each used GPU beyond the
+    plan's buffers (CUDA context, cuBLAS and NCCL workspaces), for the planner's next reserve.
+
+    + directory: where the records live (one file ``BUILD.MODE`` each, read by the
+      ``MeasuredOverheads`` fact)
+    + build, split_mode: what the record is for
+    + gpu_indices: nvidia-smi's index of each used GPU, in the plan's device order
+    + buffers_mib: llama.cpp's buffers the plan put on each of them (weights, KV, compute)
+
+    A record is never rewritten, so a later start of the same build (a few MiB apart) leaves the
+    plan as it is. Call it after a start that served (guard it with ``_if=``).
+
+    **Example:**
+
+    .. code:: python
+
+        record_gpu_overheads(
+            directory="/var/lib/llamarig/gpu-overheads",
+            build="0c1e57098bba-1a2b3c4d5e",
+            split_mode="tensor",
+            gpu_indices=[0, 1],
+            buffers_mib=[18167, 18167],
+        )
+    """
+    if (build, split_mode) in known(MeasuredOverheads, path=directory):
+        host.noop(f"the GPU overhead of {build} in {split_mode} mode is recorded")
+        return
+    q_dir = shlex.quote(directory)
+    record = shlex.quote(f"{directory}/{build}.{split_mode}")
+    indices = shlex.quote(" ".join(str(index) for index in gpu_indices))
+    buffers = shlex.quote(" ".join(str(mib) for mib in buffers_mib))
+    yield (
+        f"[ -e {record} ] || {{ mkdir -p {q_dir} && "
+        "used=$(nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits) && "
+        f"printf '%s\\n' \"$used\" | awk -F', *' -v indices={indices} -v buffers={buffers} "
+        '\'{ used[$1] = $2 } END { n = split(indices, i, " "); split(buffers, b, " "); '
+        'for (k = 1; k <= n; k++) printf "%s%d", (k > 1 ? " " : ""), used[i[k]] - b[k]; '
+        f'print "" }}\' > {record}.new && mv {record}.new {record}; }}'
+    )
+
+
+@operation(is_idempotent=False)
+def serve_or_roll_back(
+    base_url: str,
+    service: str,
+    timeout: int,
+    unit: str,
+    env_file: str,
+    current: str,
+    last_good: str,
+    answers: list[Answer] | None = None,
+    max_slowdown: float | None = None,
+    drain_timeout: int = 0,
+    model: str = "",
+):
+    """
+    Wait until a (re)started llama-server serves, gives every expected answer and decodes
+    about as fast as the last version that served; if it does not, put that version back
+    (unit, environment file and `current` link), restart it, confirm it serves, and fail with
+    why: the new version's last journal lines, the answer it got wrong, or both speeds.
+
+    + base_url: e.g. ``http://127.0.0.1:8080``
+    + service: systemd unit name (journal, restart)
+    + timeout: seconds the new version gets to answer /health
+    + unit, env_file, current: the unit file, its environment file and the `current` link
+    + last_good: directory holding copies of those three from the last version that served;
+      refreshed after every successful start
+    + answers: the rig's ``expect.answers`` (``llamarig.answers.answers``), asked greedily once
+      it serves; judged here, on the control machine, as ``llamarig verify`` judges them
+    + max_slowdown: the share by which the decode speed (``llamarig.pace``: the best of 3
+      greedy completions, 3 more, then the last version measured again and the new one once
+      more before a refusal) may fall below the last good version's before the new one is
+      rolled back; None: not measured
+    + model: what the speed is of (the model file and its checksum): speeds of another model
+      are not compared, since a larger model is meant to be slower
+    + drain_timeout: before each switch between the versions measured side by side, the most
+      seconds to wait for requests in flight to finish (``drain``)
+
+    Only call it when something was (re)started (guard it with ``_if=``): it always runs.
+
+    **Example:**
+
+    .. code:: python
+
+        serve_or_roll_back(
+            base_url="http://127.0.0.1:8080",
+            service="llama-server",
+            timeout=600,
+            unit="/etc/systemd/system/llama-server.service",
+            env_file="/etc/llamarig/llama-server.env",
+            current="/opt/llamarig/current",
+            last_good="/var/lib/llamarig/last-good",
+        )
+    """
+    q_service, q_good, q_url = (shlex.quote(value) for value in (service, last_good, base_url))
+    check = _serving_check(base_url, service, timeout)
+    roll_back = _roll_back(service, unit, env_file, current, last_good)
+    # Values reach messages as printf arguments, never inside double quotes.
+    yield (
+        check
+        + f"""
+if ! serving; then
+  printf 'llamarig: the new version of %s does not serve: %s. Its last journal lines:\\n' \\
+    {q_service} "$why" >&2
+  journalctl -u {q_service} -n 30 --no-pager -o cat >&2
+{roll_back}
+fi
+"""
+    )
+    if answers:
+        # pyinfra passes (state, host) to a callback whose parameters have those names, and
+        # fails the operation when it returns False.
+        def ask(state, host) -> bool:
+            started = time.monotonic()
+            wrong = wrong_answers(host, base_url, answers)
+            if not wrong:
+                host.log(
+                    f"llamarig: {len(answers)} expected answer(s) right at {base_url} "
+                    f"in {time.monotonic() - started:.1f} s"
+                )
+                return True
+            for problem in wrong:
+                host.log_styled(f"llamarig: {problem}", fg="red", log_func=logger.error)
+            why = shlex.quote("; ".join(wrong))
+            _, output = host.run_shell_command(
+                StringCommand(
+                    check
+                    + f"""
+printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why} >&2
+{roll_back}
+"""
+                )
+            )
+            for line in output.output_lines:
+                host.log(line, log_func=logger.error)
+            return False
+
+        yield FunctionCommand(ask, (), {})
+    if max_slowdown is not None:
+        speed_file = shlex.quote(f"{last_good}/{pace.SPEED_FILE}")
+        candidate = f"{last_good}/candidate"
+
+        def measure(host, best: float = 0.0) -> float | None:
+            """The best decode speed of RUNS completions, or ``best`` (an earlier look) when
+            higher; None, the error logged, when a reply has no timings."""
+            replies = []
+            for _ in range(pace.RUNS):
+                command = StringCommand(pace.decode_command(base_url))
+                replies.append(host.run_shell_command(command)[1].stdout)
+            try:
+                return max(best, pace.decode_speed(replies))
+            except ValueError as error:
+                host.log_styled(f"llamarig: {error}", fg="red", log_func=logger.error)
+                return None
+
+        def logged(host, command: str) -> bool:
+            succeeded, output = host.run_shell_command(StringCommand(check + command))
+            for line in output.output_lines:
+                host.log(line, log_func=logger.info if succeeded else logger.error)
+            return succeeded
+
+        def keep_pace(state, host) -> bool:
+            _, recorded = host.run_shell_command(StringCommand(f"cat {speed_file} 2>/dev/null"))
+            last = pace.recorded_speed(recorded.stdout_lines, model)
+            speed = measure(host)
+            if speed is not None and pace.slowdown(speed, last, max_slowdown):
+                speed = measure(host, speed)  # a second look before a rollback
+            if speed is None:
+                return False
+            against_record = pace.slowdown(speed, last, max_slowdown)
+            if against_record:
+                # The record may come from a quieter moment of the host: the two versions are
+                # measured in turns now, so the verdict rests on speeds measured side by side.
+                host.log(
+                    f"llamarig: the new version {against_record}; measuring the last version "
+                    f"that served again, side by side, in turns with the new one (up to "
+                    f"{pace.ROUNDS} looks at each)"
+                )
+                stash = _keep_version(unit, env_file, current, candidate) + " || exit 1\n"
+                if not logged(host, stash):
+                    return False
+                looks = pace.SideBySide(max_slowdown, new=[speed])
+                while not looks.done():
+                    for version, speeds in ((last_good, looks.last), (candidate, looks.new)):
+                        drain(host, base_url, service, drain_timeout)
+                        switch = _switch_to(service, unit, env_file, current, version)
+                        if not logged(host, switch + f"\nserving || {{\n{roll_back}\n}}\n"):
+                            return False
+                        look = measure(host)
+                        if look is None:
+                            logged(host, roll_back)
+                            return False
+                        speeds.append(look)
+                    host.log(
+                        f"llamarig: look {len(looks.last)}: the last version decodes at "
+                        f"{looks.last[-1]:.1f} tokens/s, the new one at {looks.new[-1]:.1f}"
+                    )
+                if looks.refused():
+                    host.log_styled(
+                        f"llamarig: the new version of {service} {looks.verdict(last)}",
+                        fg="red",
+                        log_func=logger.error,
+                    )
+                    logged(host, roll_back)
+                    return False
+                host.log(f"llamarig: the new version {looks.verdict(last)}")
+                speed = max(looks.new)
+            host.log(
+                f"llamarig: decodes at {speed:.1f} tokens/s"
+                + (f" (last good {last:.1f})" if last else "")
+            )
+            record = f"mkdir -p {q_good} && printf '%.1f\\n%s\\n' {speed} {shlex.quote(model)}"
+            host.run_shell_command(StringCommand(f"{record} > {speed_file}.new"))
+            return True
+
+        yield FunctionCommand(keep_pace, (), {})
+    q_speed = shlex.quote(f"{last_good}/{pace.SPEED_FILE}")
+    yield (
+        _keep_version(unit, env_file, current, last_good)
+        + f" && {{ [ ! -f {q_speed}.new ] || mv {q_speed}.new {q_speed}; }}"
+        f" && rm -rf {q_good}/candidate"
+        f" && printf 'llamarig: %s serves at %s\\n' {q_service} {q_url}"
+    )
+
+
+def _keep_version(unit: str, env_file: str, current: str, directory: str) -> str:
+    """A shell command that copies the unit, environment file and `current` link's target
+    into ``directory`` (files ``unit``, ``env``, ``current``), each replaced whole; what
+    ``_switch_to`` puts back."""
+    q_unit, q_env, q_current, q_dir = (
+        shlex.quote(value) for value in (unit, env_file, current, directory)
+    )
+    return (
+        f"mkdir -p {q_dir}"
+        f" && cp {q_unit} {q_dir}/unit.new && cp {q_env} {q_dir}/env.new"
+        f" && readlink {q_current} > {q_dir}/current.new"
+        f" && for f in unit env current; do mv {q_dir}/$f.new {q_dir}/$f; done"
+    )
+
+
+def _switch_to(service: str, unit: str, env_file: str, current: str, source: str) -> str:
+    """Shell lines that install the unit, environment file and `current` link kept in
+    ``source`` (files ``unit``, ``env``, ``current``) and restart the service."""
+    q_service, q_unit, q_env, q_current, q_source = (
+        shlex.quote(value) for value in (service, unit, env_file, current, source)
+    )
+    return f"""
+cp {q_source}/unit {q_unit} && cp {q_source}/env {q_env} \\
+  && ln -sfn "$(cat {q_source}/current)" {q_current}.new && mv -T {q_current}.new {q_current}
+systemctl daemon-reload
+systemctl reset-failed -- {q_service} 2>/dev/null || true
+systemctl restart -- {q_service}
+""".strip("\n")
+
+
+def _roll_back(service: str, unit: str, env_file: str, current: str, last_good: str) -> str:
+    """Shell lines (after a ``serving`` function) that put the last version that served back,
+    restart it, say whether it serves and exit 1 (the run fails)."""
+    q_good = shlex.quote(last_good)
+    return f"""
+if [ ! -f {q_good}/current ]; then
+  echo "llamarig: no earlier version served on this host: nothing to roll back to" >&2
+  exit 1
+fi
+started=$(date +%s)
+{_switch_to(service, unit, env_file, current, last_good)}
+date -u +%Y-%m-%dT%H:%M:%SZ > {shlex.quote(deploy_record.ROLLED_BACK_PATH)} || true
+if serving; then
+  echo "llamarig: rolled back: the last version that served ($(cat {q_good}/current)) serves" \\
+    "again after $(( $(date +%s) - started )) s; fix the rig data and deploy again" >&2
+else
+  printf 'llamarig: the rollback does not serve either: %s\\n' "$why" >&2
+  exit 1
+fi
+exit 1
+""".strip("\n")
+
+
+def wrong_answers(host, base_url: str, answers: list[Answer]) -> list[str]:
+    """Ask each answer's question on the host; what each wrong one got (none: all right)."""
+    wrong = []
+    for answer in answers:
+        _, output = host.run_shell_command(StringCommand(answer_check_command(base_url, answer)))
+        status, body = parse_answer_output(output.stdout)
+        problem = verdict(answer, status, body)
+        if problem:
+            wrong.append(problem)
+    return wrong
+
+
+def tcp_probe(endpoint: str) -> str:
+    """A shell test that succeeds when ``endpoint`` (host:port, [v6]:port) accepts TCP."""
+    address, _, port = endpoint.rpartition(":")
+    if len(address) > 1 and address[0] == "[" and address[-1] == "]":
+        address = address[1:-1]  # one pair: [v6]
+    # Address and port reach bash as its arguments, never as part of its script.
+    script = shlex.quote('exec 3<>"/dev/tcp/$1/$2"')
+    return (
+        f"timeout 3 bash -c {script} tcp-probe {shlex.quote(address)} {shlex.quote(port)} "
+        "2>/dev/null"
+    )
+
+
+@operation(is_idempotent=False)
+def wait_for_port(endpoint: str, service: str, timeout: int):
+    """
+    Wait until a (re)started service accepts TCP connections on ``endpoint``; else fail with its
+    last journal lines and the sockets that hold its port. Servers that set SO_REUSEADDR
+    (ggml-rpc-server, llama-server) still cannot bind a port an outgoing connection holds, even
+    in TIME-WAIT, and a port in the kernel's ephemeral range is handed to those: the failure
+    says so and names the fix.
+
+    + endpoint: ``host:port`` the service listens on
+    + service: systemd unit name (journal)
+    + timeout: seconds to wait
+
+    **Example:**
+
+    .. code:: python
+
+        wait_for_port(endpoint="10.0.0.12:50052", service="ggml-rpc-server", timeout=60)
+    """
+    quoted, q_endpoint = shlex.quote(service), shlex.quote(endpoint)
+    port = shlex.quote(endpoint.rpartition(":")[2])
+    yield f"""
+deadline=$(( $(date +%s) + {int(timeout)} ))
+until {tcp_probe(endpoint)}; do
+  # A crash loop (auto-restart) or an exit (ggml-rpc-server exits 0 when it cannot bind) ends
+  # the wait early.
+  state=$(systemctl show --value -p ActiveState -p SubState -- {quoted} | tr '\\n' ' ')
+  stopped=""
+  case "$state" in *auto-restart*|*inactive*|*failed*) stopped=${{state% }} ;; esac
+  if [ -n "$stopped" ] || [ $(date +%s) -ge $deadline ]; then
+    if [ -n "$stopped" ]; then
+      printf 'llamarig: %s stopped (%s) without accepting connections on %s; its journal:\\n' \\
+        {quoted} "$stopped" {q_endpoint} >&2
+    else
+      printf 'llamarig: %s does not accept connections on %s after %s s; its journal:\\n' \\
+        {quoted} {q_endpoint} {int(timeout)} >&2
+    fi
+    journalctl -u {quoted} -n 20 --no-pager -o cat >&2
+    held=$(ss -Htanp "( sport = :"{port}" )" 2>/dev/null)
+    if [ -n "$held" ]; then
+      printf 'llamarig: sockets on port %s now (one bound elsewhere, or an outgoing' {port} >&2
+      printf " connection's, even in TIME-WAIT, stops the bind):\\n%s\\n" "$held" >&2
+      read -r low high < /proc/sys/net/ipv4/ip_local_port_range
+      if [ {port} -ge "$low" ] && [ {port} -le "$high" ]; then
+        printf 'llamarig: port %s lies in the kernel ephemeral range %s-%s, which outgoing' \\
+          {port} "$low" "$high" >&2
+        printf ' connections take: choose a port below %s, or reserve it' "$low" >&2
+        printf ' (sysctl net.ipv4.ip_local_reserved_ports)\\n' >&2
+      fi
+    fi
+    exit 1
+  fi
+  sleep 1
+done
+printf 'llamarig: %s listens on %s\\n' {quoted} {q_endpoint}
+""".strip()
+
+
+@operation(is_idempotent=False)
+def check_rpc_workers(endpoints: list[str]):
+    """
+    Fail unless every RPC worker accepts connections from this host: a head restarted without
+    its workers cannot load the model, so the run stops before the restart.
+
+    + endpoints: the workers' ``host:port``
+
+    **Example:**
+
+    .. code:: python
+
+        check_rpc_workers(endpoints=["10.0.0.12:50052", "10.0.0.13:50052"])
+    """
+    checks = "\n".join(
+        f'{tcp_probe(endpoint)} || down="$down "{shlex.quote(endpoint)}' for endpoint in endpoints
+    )
+    yield f"""
+down=""
+{checks}
+if [ -n "$down" ]; then
+  echo "llamarig: RPC worker(s) not reachable from this head:$down - converge the workers" \\
+    "(their ggml-rpc-server unit) and check the network; the running server was left as it is" >&2
+  exit 1
+fi
+""".strip()
+
+
+def server_flags(args: list[str]) -> list[str]:
+    """The option names in a llama-server command line, as llama.cpp looks them up (``--top_k``
+    is ``--top-k``; values such as ``-1`` excluded)."""
+    return sorted({option_name(arg) for arg in args[1:] if re.match(r"^--?[A-Za-z]", arg)})
+
+
+@operation(is_idempotent=False)
+def check_server_flags(binary: str, args: list[str]):
+    """
+    Fail unless the built llama-server knows every option of ``args`` (from its ``--help``).
+
+    + binary: the llama-server of the build about to be used
+    + args: the command line the unit will run
+
+    Runs before the `current` link and the unit change, so a flag the binary does not know
+    stops the run while the old server keeps serving. Guard it to run only when the build or
+    the command line changes.
+
+    **Example:**
+
+    .. code:: python
+
+        check_server_flags(
+            binary="/opt/llamarig/builds/0c1e57098bba-1a2b3c4d5e/bin/llama-server",
+            args=["llama-server", "-m", "/opt/llamarig/models/m.gguf", "-lm", "none"],
+        )
+    """
+    flags = " ".join(shlex.quote(flag) for flag in server_flags(args))
+    q_binary = shlex.quote(binary)
+    yield f"""
+help=$({q_binary} --help 2>&1) || {{ printf 'llamarig: %s --help failed:\\n' {q_binary} >&2; \\
+printf '%s\\n' "$help" | tail -5 >&2; exit 1; }}
+unknown=""
+for flag in {flags}; do
+  printf '%s\\n' "$help" | grep -qE -- "(^|[ ,])$flag([ ,=]|$)" || unknown="$unknown $flag"
+done
+if [ -n "$unknown" ]; then
+  printf 'llamarig: %s does not know:%s - fix server.extra_args (or the setting that adds' \\
+    {q_binary} "$unknown" >&2
+  echo " it); the unit and the running server were left unchanged" >&2
+  exit 1
+fi
+""".strip()
+
+
+@operation(is_idempotent=False)
+def restart_rpc_head(head: str, service: str, base_url: str, timeout: int, worker: str):
+    """
+    Restart the head whose RPC worker restarted, over the head's own connection, and wait until
+    it serves: the head's llama-server holds its model buffers on the worker, which a restart
+    empties, so its next request would abort it (ggml-rpc: "Remote RPC server crashed or
+    returned malformed response") and systemd would restart it under the users' requests. A
+    head that is not running (stopped, or not deployed yet) is left as it is. Run it after the
+    worker's restart, whose drain already waited for the head's requests in flight.
+
+    + head: the inventory host the head runs on
+    + service: its llama-server unit, e.g. ``llama-server.service``
+    + base_url: where the head reaches its own server, e.g. ``http://127.0.0.1:8080``
+    + timeout: seconds the head gets to serve again (its ``server.start_timeout``)
+    + worker: what restarted, for the messages, e.g. ``ggml-rpc-server.service``
+
+    **Example:**
+
+    .. code:: python
+
+        restart_rpc_head(
+            head="gpu-head",
+            service="llama-server.service",
+            base_url="http://127.0.0.1:8080",
+            timeout=600,
+            worker="ggml-rpc-server.service",
+        )
+    """
+    label = f"{service} on {head}"
+    quoted = shlex.quote(service)
+    not_running = shlex.quote(f"llamarig: {label} is not running: left as it is")
+    serves = shlex.quote(f"llamarig: {label}, restarted after {worker}, serves again")
+    broken = shlex.quote(f"llamarig: {label}, restarted after {worker}, does not serve: ")
+    script = (
+        _serving_check(base_url, service, timeout)
+        + f"""
+if [ "$(systemctl show -P ActiveState -- {quoted})" = inactive ]; then
+  echo {not_running}; exit 0
+fi
+{restart_command(service)}
+if serving; then echo {serves}; exit 0; fi
+echo {broken}"$why; its journal:"
+journalctl -u {quoted} -n 20 --no-pager -o cat
+exit 1
+"""
+    )
+
+    def restarted(state, host) -> bool:
+        server_host = connected_host(state, head, f"to restart it after {worker}")
+        if not server_host:
+            host.log_styled(
+                f"llamarig: {head} is not reachable, so {service} there was not restarted after "
+                f"{worker}: its next request would abort it; converge {head} or run "
+                f"`systemctl restart {service}` there",
+                fg="red",
+                log_func=logger.error,
+            )
+            return False
+        succeeded, output = server_host.run_shell_command(StringCommand(script))
+        for line in output.output_lines:
+            host.log(line, log_func=logger.info if succeeded else logger.error)
+        return succeeded
+
+    yield FunctionCommand(restarted, (), {})
+
+
+@operation(is_idempotent=False)
+def check_serving(unit: str, base_url: str):
+    """
+    Fail unless the unit is active, ``/health`` answers 200 and a 4-token completion succeeds
+    (the ``ServerProbe`` fact, from the host itself, every request bounded; with every slot
+    busy the completion is not sent and the check passes); changes nothing. Guard it with ``_if=``
+    to skip it after a (re)start whose wait checked the same.
+
+    + unit: the server's unit, e.g. ``llama-server.service``
+    + base_url: e.g. ``http://127.0.0.1:8080``
+
+    **Example:**
+
+    .. code:: python
+
+        check_serving(unit="llama-server.service", base_url="http://127.0.0.1:8080")
+    """
+    active = known(UnitState, unit=unit)["active"]
+    probe = host.get_fact(ServerProbe, base_url=base_url)
+    problems = []
+    if not active:
+        problems.append(f"{unit} is not active (systemctl status {unit})")
+    if probe["health"] == 0:
+        problems.append(
+            f"{base_url}/health gave no answer within {PROBE_MAX_S} s (connect "
+            f"{PROBE_CONNECT_S} s): the server is hung or not listening"
+        )
+    elif probe["health"] != 200:
+        problems.append(f"{base_url}/health answered {probe['health']}, not 200")
+    elif probe["completion_ok"] is False:
+        problems.append(f"a 4-token {base_url}/completion did not succeed within {PROBE_MAX_S} s")
+    if problems:
+        yield fail_command("; ".join(problems))
+        return
+    if probe["completion_ok"] is None:
+        host.noop(
+            f"{unit} active, /health 200, serving: {probe['busy']} of {probe['slots']} slots "
+            "busy (no probe completion sent, it would wait behind them)"
+        )
+        return
+    speed = probe["tokens_per_second"]
+    host.noop(
+        f"{unit} active, /health 200, completion at "
+        + (f"{speed:.1f} tokens/s" if speed is not None else "an unreported speed")
+    )

@@ -1,0 +1,177 @@
+"""systemd units: running and enabled, a restart that first drains the requests in flight,
+and the checks `llamarig verify` shares."""
+
+from __future__ import annotations
+
+import shlex
+import time
+
+from pyinfra import host, logger
+from pyinfra.api import (
+    FunctionCommand,
+    StringCommand,
+    operation,
+)
+
+from llamarig.facts import (
+    UnitState,
+    known,
+    parse_slot_counts,
+    slot_counts_command,
+)
+from llamarig.operations.host import connected_host, fail_command
+
+# How often a drain polls the slots, and how often it says what it waits for.
+DRAIN_POLL_S = 1
+DRAIN_REPORT_S = 10
+
+
+def drain(
+    host, base_url: str, service: str, timeout: int, server_host=None, restarting: str = "it"
+) -> None:
+    """Wait until no slot of the llama-server at ``base_url`` processes a request, at most
+    ``timeout`` seconds, saying what it waits for; llama-server has no graceful stop (SIGTERM
+    ends the requests in flight), so this is the drain. Returns at once when ``timeout`` is 0
+    (server.drain_timeout: do not wait), when nothing is busy or when /slots does not answer (a
+    server that is down or hung has nothing to finish). ``server_host``: the host the server
+    runs on, where /slots is asked (default ``host``); ``restarting``: what restarts after."""
+    if timeout <= 0:
+        return
+    server_host = server_host or host
+    started = time.monotonic()
+    reported = None
+    while True:
+        _, output = server_host.run_shell_command(StringCommand(slot_counts_command(base_url)))
+        lines = output.stdout_lines
+        total, busy = parse_slot_counts(lines[-1] if lines else "")
+        waited = time.monotonic() - started
+        if busy == 0:
+            if reported is not None:
+                host.log(
+                    f"llamarig: the requests in flight on {service} finished after "
+                    f"{waited:.0f} s: restarting {restarting}"
+                )
+            return
+        if waited >= timeout:
+            host.log_styled(
+                f"llamarig: {busy} of {total} slots of {service} still busy after {timeout} s "
+                f"(server.drain_timeout): restarting {restarting} anyway, cutting {busy} "
+                "request(s)",
+                fg="yellow",
+                log_func=logger.warning,
+            )
+            return
+        if reported is None or waited - reported >= DRAIN_REPORT_S:
+            host.log(
+                f"llamarig: waiting for {busy} of {total} slots of {service} to finish their "
+                f"requests before restarting {restarting} ({timeout - waited:.0f} s left of "
+                "server.drain_timeout)"
+            )
+            reported = waited
+        time.sleep(DRAIN_POLL_S)
+
+
+@operation(is_idempotent=False)
+def restart_service(
+    service: str,
+    drain_url: str | None = None,
+    drain_timeout: int = 0,
+    drain_host: str | None = None,
+    drain_service: str | None = None,
+):
+    """
+    Restart a systemd service on purpose: its start rate limit (meant for crash loops) is
+    reset first, so a run of deliberate deploys is never refused with "start request repeated
+    too quickly". Guard it with ``_if=``: it always restarts.
+
+    + service: unit name, e.g. ``llama-server.service``
+    + drain_url, drain_timeout: a llama-server's base URL and the most seconds to wait for
+      its requests in flight to finish before the restart (``drain``); none: no wait
+    + drain_host, drain_service: the inventory host that llama-server runs on and its unit,
+      when it is not this host's ``service`` (an RPC worker drains its head's server, whose
+      requests end when the worker goes away); reached over its own connection
+
+    **Example:**
+
+    .. code:: python
+
+        restart_service(
+            service="llama-server.service",
+            drain_url="http://127.0.0.1:8080",
+            drain_timeout=120,
+        )
+    """
+    if drain_url:
+
+        def drained(state, host) -> bool:
+            if not drain_host:
+                drain(host, drain_url, service, drain_timeout)
+                return True
+            server_host = connected_host(
+                state, drain_host, f"to drain it before {service} restarts"
+            )
+            if not server_host:
+                host.log_styled(
+                    f"llamarig: {drain_host} is not reachable, so its requests in flight on "
+                    f"{drain_service} were not waited for: restarting {service}",
+                    fg="yellow",
+                    log_func=logger.warning,
+                )
+                return True
+            label = f"{drain_service} on {drain_host}"
+            drain(host, drain_url, label, drain_timeout, server_host, restarting=service)
+            return True
+
+        yield FunctionCommand(drained, (), {})
+    yield restart_command(service)
+
+
+def restart_command(service: str) -> str:
+    """Restart ``service`` on purpose: its start rate limit (meant for crash loops) reset first."""
+    quoted = shlex.quote(service)
+    return f"systemctl reset-failed -- {quoted} 2>/dev/null || true; systemctl restart -- {quoted}"
+
+
+@operation()
+def unit_running(unit: str, enabled: bool = True):
+    """
+    Start a systemd unit that is not running and enable it at boot, as pyinfra's
+    ``systemd.service(running=True, enabled=True)``; reads only this unit's state.
+
+    + unit: the unit name, e.g. ``llama-server.service``
+    + enabled: enable it at boot too
+
+    **Example:**
+
+    .. code:: python
+
+        unit_running(unit="llama-server.service")
+    """
+    current = known(UnitState, unit=unit)
+    quoted = shlex.quote(unit)
+    if current["active"]:
+        host.noop(f"{unit} is running")
+    else:
+        yield f"systemctl start -- {quoted}"
+    if enabled and not current["enabled"]:
+        yield f"systemctl enable -- {quoted}"
+
+
+@operation(is_idempotent=False)
+def check_unit_active(unit: str, what: str):
+    """
+    Fail unless a systemd unit is active; changes nothing.
+
+    + unit: the unit name, e.g. ``ggml-rpc-server.service``
+    + what: how the success note names it, e.g. ``on 10.0.0.12:50052``
+
+    **Example:**
+
+    .. code:: python
+
+        check_unit_active(unit="ggml-rpc-server.service", what="on 10.0.0.12:50052")
+    """
+    if known(UnitState, unit=unit)["active"]:
+        host.noop(f"{unit} active {what}")
+        return
+    yield fail_command(f"{unit} is not active (systemctl status {unit})")
