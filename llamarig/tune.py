@@ -808,6 +808,9 @@ def tune_host(
     write_tuned(tuned_file, name, chosen, identity, draft)
     tuned_label = chosen.candidate.label + (f", draft_max {draft.draft_max}" if draft else "")
     say(f"{name}: tuned settings written to {tuned_file} ({tuned_label})")
+    tuned = {k: v for k, v in chosen.candidate.settings().items() if v is not None}
+    for line in overridden(inventory, name, tuned):
+        say(line)
     picture = tuned_file.with_suffix(".png")
     if plot(results, chosen, roofline, picture, drafts, draft):
         say(f"{name}: plot {picture}")
