@@ -4,7 +4,6 @@ until it serves, rolling back to the last version that served otherwise. A head 
 workers before any (re)start; an RPC worker's unit is the rpc_worker stage's."""
 
 import os
-import shlex
 from io import StringIO
 
 from pyinfra import api, host
@@ -128,7 +127,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         # would refuse the start below.
         server_ops.shell(
             name=f"Clear a failed state of {service} before starting it",
-            commands=[f"systemctl reset-failed -- {shlex.quote(service)} 2>/dev/null || true"],
+            commands=[operations.reset_failed_command(service)],
         )
     started, restarted = stage.service_running(
         service,

@@ -29,7 +29,7 @@ from llamarig.facts import (
 )
 from llamarig.llama_args import option_name
 from llamarig.operations.host import connected_host, fail_command
-from llamarig.operations.systemd import drain, restart_command
+from llamarig.operations.systemd import drain, journal_tail_command, restart_command
 from llamarig.render import CURL_AUTH
 
 
@@ -172,7 +172,7 @@ def serve_or_roll_back(
 if ! serving; then
   printf 'llamarig: the new version of %s does not serve: %s. Its last journal lines:\\n' \\
     {q_service} "$why" >&2
-  journalctl -u {q_service} -n 30 --no-pager -o cat >&2
+  {journal_tail_command(service, 30)} >&2
 {roll_back}
 fi
 """
@@ -311,15 +311,14 @@ def _keep_version(unit: str, env_file: str, current: str, directory: str) -> str
 def _switch_to(service: str, unit: str, env_file: str, current: str, source: str) -> str:
     """Shell lines that install the unit, environment file and `current` link kept in
     ``source`` (files ``unit``, ``env``, ``current``) and restart the service."""
-    q_service, q_unit, q_env, q_current, q_source = (
-        shlex.quote(value) for value in (service, unit, env_file, current, source)
+    q_unit, q_env, q_current, q_source = (
+        shlex.quote(value) for value in (unit, env_file, current, source)
     )
     return f"""
 cp {q_source}/unit {q_unit} && cp {q_source}/env {q_env} \\
   && ln -sfn "$(cat {q_source}/current)" {q_current}.new && mv -T {q_current}.new {q_current}
 systemctl daemon-reload
-systemctl reset-failed -- {q_service} 2>/dev/null || true
-systemctl restart -- {q_service}
+{restart_command(service)}
 """.strip("\n")
 
 
@@ -408,7 +407,7 @@ until {tcp_probe(endpoint)}; do
       printf 'llamarig: %s does not accept connections on %s after %s s; its journal:\\n' \\
         {quoted} {q_endpoint} {int(timeout)} >&2
     fi
-    journalctl -u {quoted} -n 20 --no-pager -o cat >&2
+    {journal_tail_command(service, 20)} >&2
     held=$(ss -Htanp "( sport = :"{port}" )" 2>/dev/null)
     if [ -n "$held" ]; then
       printf 'llamarig: sockets on port %s now (one bound elsewhere, or an outgoing' {port} >&2
@@ -544,7 +543,7 @@ fi
 {restart_command(service)}
 if serving; then echo {serves}; exit 0; fi
 echo {broken}"$why; its journal:"
-journalctl -u {quoted} -n 20 --no-pager -o cat
+{journal_tail_command(service, 20)}
 exit 1
 """
     )

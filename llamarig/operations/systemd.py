@@ -128,8 +128,17 @@ def restart_service(
 
 def restart_command(service: str) -> str:
     """Restart ``service`` on purpose: its start rate limit (meant for crash loops) reset first."""
-    quoted = shlex.quote(service)
-    return f"systemctl reset-failed -- {quoted} 2>/dev/null || true; systemctl restart -- {quoted}"
+    return f"{reset_failed_command(service)}; systemctl restart -- {shlex.quote(service)}"
+
+
+def reset_failed_command(service: str) -> str:
+    """Clear ``service``'s failed state and start rate limit (a no-op when it has none)."""
+    return f"systemctl reset-failed -- {shlex.quote(service)} 2>/dev/null || true"
+
+
+def journal_tail_command(service: str, lines: int) -> str:
+    """The last ``lines`` lines of ``service``'s journal, messages only."""
+    return f"journalctl -u {shlex.quote(service)} -n {int(lines)} --no-pager -o cat"
 
 
 @operation()
