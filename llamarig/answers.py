@@ -12,7 +12,7 @@ import re
 import shlex
 from dataclasses import dataclass
 
-from llamarig.render import CURL_AUTH
+from llamarig.hostpaths import CURL_AUTH
 
 # Per-answer defaults (documented in group_data/all.yml and schema.json): a short answer is
 # all a check needs, and it keeps the check to about a second on a CPU rig.

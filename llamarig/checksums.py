@@ -20,7 +20,9 @@ import hashlib
 import re
 import shlex
 
-RECORD_DIRECTORY = "/var/lib/llamarig/checksums"
+from llamarig.hostpaths import CHECKSUM_RECORDS
+
+RECORD_DIRECTORY = CHECKSUM_RECORDS
 # GNU stat: %.9Y and %.9Z are mtime and ctime in seconds since the epoch with nanoseconds
 # (coreutils 9.1 on bookworm, 9.7 on trixie); -L follows a symbolic link to the file itself.
 IDENTITY_FORMAT = "%d %i %s %.9Y %.9Z"

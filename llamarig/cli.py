@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from llamarig import answers, render, status
+from llamarig import answers, hostpaths, render, status
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
 from llamarig.config.problems import Problem, located
 from llamarig.entry import host_entry, inventory_document, probe, render_entry
@@ -130,7 +130,7 @@ def _complete(args: argparse.Namespace) -> int:
         url = shlex.quote(render.base_url(data) + path)
         curl = (
             f"curl -sS -f --connect-timeout {PROBE_CONNECT_S} --max-time {COMPLETE_TIMEOUT_S} "
-            f"{render.CURL_AUTH} -H 'Content-Type: application/json' "
+            f"{hostpaths.CURL_AUTH} -H 'Content-Type: application/json' "
             f"-d {shlex.quote(json.dumps(body))} -- {url}"
         )
         result = run_on_host(data, curl, timeout=COMPLETE_TIMEOUT_S + 60)

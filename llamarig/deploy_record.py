@@ -19,8 +19,9 @@ from datetime import UTC, datetime
 from pyinfra import logger
 from pyinfra.api.state import BaseStateCallback, State
 
-RECORD_PATH = "/var/lib/llamarig/last-deploy.json"
-ROLLED_BACK_PATH = "/var/lib/llamarig/rolled-back"
+from llamarig.hostpaths import DEPLOY_RECORD_PATH, ROLLED_BACK_PATH
+
+RECORD_PATH = DEPLOY_RECORD_PATH
 # Names of changed operations kept in the record: enough to tell what a deploy did.
 NAMES_KEPT = 20
 WRITE_TIMEOUT_S = 30

@@ -10,7 +10,7 @@ import shlex
 from pyinfra.api import FactBase
 
 from llamarig import checksums
-from llamarig.render import BUILD_COMPLETE_MARKER, CURL_AUTH
+from llamarig.hostpaths import APT_UPDATE_STAMP, BUILD_COMPLETE_MARKER, CURL_AUTH
 
 
 class NvidiaPciDevices(FactBase):
@@ -787,9 +787,6 @@ def prefetch(requests: list[tuple[type, dict]]) -> None:
     for index, (cls, args) in enumerate(missing):
         if index in outputs:
             values[_key(cls, args)] = parse_one(cls, args, outputs[index])
-
-
-APT_UPDATE_STAMP = "/var/lib/apt/periodic/update-success-stamp"
 
 
 class AptListsAge(FactBase):

@@ -18,7 +18,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
-from llamarig.render import CURL_AUTH
+from llamarig.hostpaths import CURL_AUTH
 
 DECODE_TOKENS = 200
 RUNS = 3

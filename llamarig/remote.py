@@ -23,6 +23,7 @@ from llamarig.facts import (
     UrlHead,
 )
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
+from llamarig.hostpaths import HUB_TOKEN_HEADER_PATH, OVERHEADS_DIR
 from llamarig.model_lock import declared_key, header_key, lock_path, recorded_header, resolved
 from llamarig.plan import (
     HOST_HEADER_FIRST_READ,
@@ -34,7 +35,6 @@ from llamarig.plan import (
     plan_host,
     url_headers,
 )
-from llamarig.render import HUB_TOKEN_HEADER_PATH, OVERHEADS_DIR
 
 
 @dataclass(frozen=True)

@@ -20,22 +20,16 @@ from llamarig import project_dir
 from llamarig.config import model_filename
 from llamarig.config.addresses import local_url
 from llamarig.hardware import cuda_architectures
+from llamarig.hostpaths import (
+    API_KEY_PATH,
+    BUILD_COMPLETE_MARKER,
+    LAST_GOOD_DIRECTORY,
+    OVERHEADS_DIR,
+    SYSTEMD_UNIT_DIRECTORY,
+)
 
 TEMPLATES_DIR = project_dir("files")
-BUILD_COMPLETE_MARKER = ".llamarig-build.json"
 RPC_SERVER = "ggml-rpc-server"
-# The API key on the host (root only), and a curl header file made from it for the deploy's own
-# checks (curl -H @FILE keeps the key out of every command line).
-API_KEY_PATH = "/etc/llamarig/api-key"
-API_KEY_HEADER_PATH = "/etc/llamarig/api-key.header"
-# The Hugging Face token's only copy on a host: root's alone, in a directory only root may
-# enter, read by curl as a header file (the model download; the plan's header read).
-HUB_TOKEN_DIRECTORY = "/etc/llamarig/hub"
-HUB_TOKEN_HEADER_PATH = f"{HUB_TOKEN_DIRECTORY}/authorization-header"
-# What nvidia-smi showed per GPU beyond the plan's buffers after a start, one file per build and
-# split mode (`BUILD.MODE`: the MiB of each used GPU, in the plan's device order).
-OVERHEADS_DIR = "/var/lib/llamarig/gpu-overheads"
-CURL_AUTH = f'$([ -f {API_KEY_HEADER_PATH} ] && echo "-H @{API_KEY_HEADER_PATH}")'
 # The character-device groups (names in /proc/devices) of the NVIDIA driver that a CUDA process
 # opens, for the DeviceAllow= lines of the server and RPC worker units (DevicePolicy=closed):
 # `nvidia` and `nvidiactl` share major 195 (/dev/nvidia0.., /dev/nvidiactl), `nvidia-uvm` holds
@@ -123,11 +117,11 @@ def layout(data: dict) -> dict[str, str]:
         "server_binary": str(prefix / "current" / "bin" / "llama-server"),
         "model": data["model"]["path"]
         or str(PurePosixPath(data["paths"]["models"]) / model_filename(data)),
-        "unit": f"/etc/systemd/system/{data['server']['service']}.service",
-        "rpc_unit": f"/etc/systemd/system/{data['rpc']['service']}.service",
+        "unit": f"{SYSTEMD_UNIT_DIRECTORY}/{data['server']['service']}.service",
+        "rpc_unit": f"{SYSTEMD_UNIT_DIRECTORY}/{data['rpc']['service']}.service",
         "launcher": str(prefix / "bin" / data["server"]["service"]),
         # Copies of unit, env file and `current` target of the last version that served.
-        "last_good": f"/var/lib/llamarig/last-good/{data['server']['service']}",
+        "last_good": f"{LAST_GOOD_DIRECTORY}/{data['server']['service']}",
         "overheads": OVERHEADS_DIR,
         "env_file": data["paths"]["env_file"],
     }

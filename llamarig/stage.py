@@ -17,7 +17,7 @@ from pyinfra.facts.files import Directory, File, FileContents, Link
 from pyinfra.facts.git import GitLocalCommit
 from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 
-from llamarig import boot, checksums, deploy_record, operations, render
+from llamarig import boot, checksums, deploy_record, hostpaths, operations, render
 from llamarig.config import ConfigError, rig_data
 from llamarig.config.derived import model_files
 from llamarig.facts import (
@@ -108,7 +108,7 @@ def read_system() -> None:
         (NvidiaSmiGpus, {}),
     ]
     if data["llama_cpp"]["backend"] == "cuda":
-        requests.append((MeasuredOverheads, {"path": render.OVERHEADS_DIR}))
+        requests.append((MeasuredOverheads, {"path": hostpaths.OVERHEADS_DIR}))
         if data["role"] != "rpc-worker":
             unchecked = [file.dest for file in model_files(data) if not file.sha256]
             requests += [(FileIdentity, {"path": path}) for path in unchecked]
@@ -153,8 +153,8 @@ def read_managed_state() -> None:
     # The key is copied when one is given (its mode and digest), else removed (it exists?).
     key_fact = FileState if data["server"]["api_key_file"] else File
     requests += [
-        (key_fact, {"path": render.API_KEY_PATH}),
-        (File, {"path": render.API_KEY_HEADER_PATH}),
+        (key_fact, {"path": hostpaths.API_KEY_PATH}),
+        (File, {"path": hostpaths.API_KEY_HEADER_PATH}),
     ]
     prefetch(requests)
 

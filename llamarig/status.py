@@ -18,7 +18,7 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from llamarig import checksums, deploy_record, render
+from llamarig import checksums, deploy_record, hostpaths, render
 from llamarig.config import HostConfig
 from llamarig.hubref import HubError
 from llamarig.progress import format_duration
@@ -79,7 +79,7 @@ def probe_command(data: dict, window: float) -> str:
     unit = shlex.quote(service)
     curl = (
         f"curl -sS -f --connect-timeout {REQUEST_TIMEOUT_S} --max-time {REQUEST_TIMEOUT_S} "
-        f"{render.CURL_AUTH} --"
+        f"{hostpaths.CURL_AUTH} --"
     )
     base = render.base_url(data)
     metrics, slots = shlex.quote(f"{base}/metrics"), shlex.quote(f"{base}/slots")

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from llamarig import render
+from llamarig import hostpaths, render
 
 PARALLEL_VALUES = (1, 2, 4, 8, 16)
 LOAD_TOKENS = 64
@@ -116,7 +116,7 @@ def load_command(data: dict, clients: int, round_number: int) -> str:
             "timings_per_token": True,
         }
         requests.append(
-            f"curl -sS -N -f -m {REQUEST_SECONDS} {render.CURL_AUTH} "
+            f"curl -sS -N -f -m {REQUEST_SECONDS} {hostpaths.CURL_AUTH} "
             f"-H 'Content-Type: application/json' --data-binary {shlex.quote(json.dumps(body))} "
             f'-- {url} > "$d/{client}" 2>&1 &'
         )

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from llamarig import render, throughput
+from llamarig import hostpaths, render, throughput
 from llamarig.config import HostConfig
 from llamarig.config.inventory import load_inventory, tuned_path
 from llamarig.hardware import memory_bandwidth_gbs
@@ -492,7 +492,7 @@ def draft_request_command(data: dict, prompt: str) -> str:
     )
     url = shlex.quote(f"{render.base_url(data)}/completion")
     return (
-        f"curl -sS -f -m 300 {render.CURL_AUTH} -H 'Content-Type: application/json' "
+        f"curl -sS -f -m 300 {hostpaths.CURL_AUTH} -H 'Content-Type: application/json' "
         f"--data-binary {shlex.quote(body)} -- {url}"
     )
 
@@ -603,7 +603,7 @@ def draft_table(results: list[DraftMeasured], chosen: DraftMeasured | None, type
 def _slots_busy(data: dict) -> bool | None:
     """Whether any slot of the running server is processing a request (None: no answer)."""
     slots = shlex.quote(f"{render.base_url(data)}/slots")
-    result = run_on_host(data, f"curl -sS -f -m 5 {render.CURL_AUTH} -- {slots}", timeout=30)
+    result = run_on_host(data, f"curl -sS -f -m 5 {hostpaths.CURL_AUTH} -- {slots}", timeout=30)
     if result.returncode:
         return None
     try:

@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from llamarig import PACKAGE_DIR, PROJECT_DIR, checksums, render
+from llamarig import PACKAGE_DIR, PROJECT_DIR, checksums, hostpaths, render
 from llamarig.config import HostConfig
 from llamarig.config.derived import model_files
 from llamarig.config.problems import Problem, located
@@ -49,7 +49,7 @@ def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
             "nvcc": render.nvcc_path(data),
             "cmake_options": render.cmake_options(data),
             "api_key": bool(data["server"]["api_key_file"]),
-            "curl_auth": render.CURL_AUTH,
+            "curl_auth": hostpaths.CURL_AUTH,
         },
     }
 

@@ -6,14 +6,14 @@ import io
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 
-from llamarig import operations, render, stage
+from llamarig import hostpaths, operations, stage
 from llamarig.config.derived import model_files
 from llamarig.hubref import read_token
 
 # The token is uploaded into a directory only root may enter, so no one else can read it even
 # before its own mode is set.
-TOKEN_DIRECTORY = render.HUB_TOKEN_DIRECTORY
-TOKEN_HEADER_FILE = render.HUB_TOKEN_HEADER_PATH
+TOKEN_DIRECTORY = hostpaths.HUB_TOKEN_DIRECTORY
+TOKEN_HEADER_FILE = hostpaths.HUB_TOKEN_HEADER_PATH
 
 
 @api.deploy("tasks/model.py")

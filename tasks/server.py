@@ -12,7 +12,7 @@ from pyinfra.operations import server as server_ops
 from pyinfra.operations import systemd
 from pyinfra.operations.util import any_changed
 
-from llamarig import answers, operations, render, stage
+from llamarig import answers, hostpaths, operations, render, stage
 from llamarig.facts import RunningService, known
 
 
@@ -33,7 +33,7 @@ def deploy(restart_on: list[OperationMeta]) -> list[OperationMeta]:
         # Only once the version without a key serves: until then the last version that served,
         # which a rollback or the slowdown check starts again, may need the key (its unit loads
         # it as a credential, and the deploy's checks send its header).
-        for path in (render.API_KEY_PATH, render.API_KEY_HEADER_PATH):
+        for path in (hostpaths.API_KEY_PATH, hostpaths.API_KEY_HEADER_PATH):
             operations.absent(name=f"No API key file {path}", path=path)
     stage.prune_builds(rig)
     return serving
@@ -47,12 +47,12 @@ def _api_key(rig: dict) -> list[OperationMeta]:
     api_key = operations.secret_file(
         name="API key (root only; the service reads it as a credential)",
         src=os.path.expanduser(rig["server"]["api_key_file"]),
-        dest=render.API_KEY_PATH,
+        dest=hostpaths.API_KEY_PATH,
     )
     operations.curl_auth_header(
         name="curl header file for the deploy's own checks (root only)",
-        key_file=render.API_KEY_PATH,
-        dest=render.API_KEY_HEADER_PATH,
+        key_file=hostpaths.API_KEY_PATH,
+        dest=hostpaths.API_KEY_HEADER_PATH,
         rewrite=api_key.will_change,
     )
     return [api_key]
@@ -156,7 +156,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
     if indices:
         operations.record_gpu_overheads(
             name="Record what the GPUs hold beyond the plan's buffers (once per build and mode)",
-            directory=render.OVERHEADS_DIR,
+            directory=hostpaths.OVERHEADS_DIR,
             build=render.build_id(rig),
             split_mode=server["split_mode"],
             gpu_indices=indices,

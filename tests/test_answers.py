@@ -15,7 +15,7 @@ import pytest
 
 from llamarig import answers, cli, operations
 from llamarig.config import load_inventory
-from llamarig.render import API_KEY_HEADER_PATH
+from llamarig.hostpaths import API_KEY_HEADER_PATH
 from tests.test_bad_input import Case, assert_refused_by_name, host
 
 QUESTION = "What is the capital of France? Answer in one word."

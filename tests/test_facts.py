@@ -30,7 +30,7 @@ from llamarig.facts import (
     UnitState,
     parse_one,
 )
-from llamarig.render import BUILD_COMPLETE_MARKER, CURL_AUTH
+from llamarig.hostpaths import BUILD_COMPLETE_MARKER, CURL_AUTH
 
 
 def test_nvidia_smi_gpus():

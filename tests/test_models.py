@@ -22,8 +22,8 @@ from llamarig.config import ConfigError, load_inventory
 from llamarig.config.derived import ModelFile, model_files
 from llamarig.gguf_header import GgufError, merge_split, read_gguf_header_file
 from llamarig.hostjob import JobCommand
+from llamarig.hostpaths import ATOMIC_SUFFIX
 from llamarig.hubref import HubError
-from llamarig.operations import ATOMIC_SUFFIX
 from llamarig.plan import load_header, plan_host
 from llamarig.shards import shard_names, sibling_paths, sibling_urls, split_parts
 from tests import hubstandin

@@ -5,7 +5,7 @@ import shlex
 
 import pytest
 
-from llamarig import render
+from llamarig import hostpaths, render
 from llamarig.config import load_inventory
 from tests.conftest import PROJECT
 
@@ -189,7 +189,7 @@ def test_launcher_runs_the_units_command_line_and_environment(seed_rig, tmp_path
     key.write_text("s3cret-value\n")
     seed_rig["server"]["api_key_file"] = str(key)
     text = render.render_launcher(seed_rig)
-    assert f"--api-key-file {render.API_KEY_PATH}" in text
+    assert f"--api-key-file {hostpaths.API_KEY_PATH}" in text
     assert "s3cret" not in text
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llamarig import CACHE_DIR, render
+from llamarig import CACHE_DIR, hostpaths, render
 from llamarig.config import load_inventory
 from tests import sandboxes
 from tests.conftest import PROJECT, pyinfra_env
@@ -719,10 +719,10 @@ def test_a_build_killed_midway_is_finished_by_the_next_run(sandbox_info, tmp_pat
     process = start_deploy(inventory)
     # Killed once the compiler is at work: the build directory has its first object files.
     kill_when(process, lambda: objects.is_dir() and any(objects.rglob("*.o")))
-    assert not host_path(sandbox_info, f"{build}/{render.BUILD_COMPLETE_MARKER}").exists()
+    assert not host_path(sandbox_info, f"{build}/{hostpaths.BUILD_COMPLETE_MARKER}").exists()
     results = converge(inventory)
     assert results["totals"]["error"] == 0
-    assert host_path(sandbox_info, f"{build}/{render.BUILD_COMPLETE_MARKER}").exists()
+    assert host_path(sandbox_info, f"{build}/{hostpaths.BUILD_COMPLETE_MARKER}").exists()
     serving_pid_runs(sandbox_info, inventory)
     results = converge(inventory)
     assert results["totals"]["success"] == 0, changed_operations(results)

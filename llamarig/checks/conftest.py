@@ -168,7 +168,7 @@ print(text)
 
 
 def python_api(host, base: str):
-    from llamarig.render import API_KEY_HEADER_PATH
+    from llamarig.hostpaths import API_KEY_HEADER_PATH
 
     def call(
         path: str, body: dict | None = None, auth: bool = True, max_time: int = REQUEST_TIMEOUT_S

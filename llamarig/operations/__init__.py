@@ -4,7 +4,6 @@ counts it as unchanged)."""
 
 from llamarig.operations.apt import apt_lists_fresh, apt_packages, driver_packages
 from llamarig.operations.build import (
-    JOB_DIRECTORY,
     BuildReport,
     cmake_build,
     git_checkout_commands,
@@ -20,7 +19,6 @@ from llamarig.operations.download import (
     record_headers,
 )
 from llamarig.operations.files import (
-    ATOMIC_SUFFIX,
     absent,
     atomic_file,
     curl_auth_header,
@@ -62,12 +60,10 @@ from llamarig.operations.systemd import (
 )
 
 __all__ = [
-    "ATOMIC_SUFFIX",
     "BuildReport",
     "DRAIN_POLL_S",
     "DRAIN_REPORT_S",
     "DownloadReport",
-    "JOB_DIRECTORY",
     "absent",
     "apt_lists_fresh",
     "apt_packages",

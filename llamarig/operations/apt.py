@@ -12,11 +12,11 @@ from pyinfra.api import (
 from pyinfra.facts.apt import noninteractive_apt
 
 from llamarig.facts import (
-    APT_UPDATE_STAMP,
     AptListsAge,
     PackageVersions,
     known,
 )
+from llamarig.hostpaths import APT_UPDATE_STAMP
 
 
 @operation()

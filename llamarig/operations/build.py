@@ -20,10 +20,7 @@ from llamarig.facts import (
     known,
 )
 from llamarig.hostjob import HostJob, JobCommand
-
-# Where a detached job keeps its pid, log and exit status: beside the file it makes, or in
-# the build directory.
-JOB_DIRECTORY = ".llamarig-job"
+from llamarig.hostpaths import JOB_DIRECTORY
 
 
 @operation()

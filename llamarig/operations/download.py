@@ -20,7 +20,7 @@ from llamarig.facts import (
     known,
 )
 from llamarig.hostjob import HostJob, JobCommand
-from llamarig.operations.build import JOB_DIRECTORY
+from llamarig.hostpaths import JOB_DIRECTORY
 from llamarig.operations.host import fail_command
 
 

@@ -21,11 +21,8 @@ from llamarig.facts import (
     FileState,
     known,
 )
+from llamarig.hostpaths import ATOMIC_SUFFIX
 from llamarig.operations.host import fail_command
-
-# The complete copy sits beside its file (a rename is atomic only within one filesystem) under
-# a suffix that systemd, modprobe, apt and the shell ignore.
-ATOMIC_SUFFIX = ".llamarig-new"
 
 
 def rename_into_place(dest: str, mode: str) -> str:

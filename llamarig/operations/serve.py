@@ -27,10 +27,10 @@ from llamarig.facts import (
     UnitState,
     known,
 )
+from llamarig.hostpaths import CURL_AUTH
 from llamarig.llama_args import option_name
 from llamarig.operations.host import connected_host, fail_command
 from llamarig.operations.systemd import drain, journal_tail_command, restart_command
-from llamarig.render import CURL_AUTH
 
 
 def _serving_check(base_url: str, service: str, timeout: int) -> str:
