@@ -20,6 +20,7 @@ from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 from llamarig import boot, checksums, deploy_record, hostpaths, operations, render
 from llamarig.config import ConfigError, rig_data
 from llamarig.config.derived import model_files
+from llamarig.factcache import known, prefetch
 from llamarig.facts import (
     AptListsAge,
     BuildDirectories,
@@ -35,8 +36,6 @@ from llamarig.facts import (
     RecordedSha256,
     RunningService,
     UnitState,
-    known,
-    prefetch,
 )
 from llamarig.hubref import HubError
 from llamarig.model_lock import lock_path, resolved

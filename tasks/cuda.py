@@ -5,7 +5,7 @@ from pyinfra import api, host
 from pyinfra.facts.files import File
 
 from llamarig import operations, render, stage
-from llamarig.facts import known
+from llamarig.factcache import known
 from llamarig.packages import cuda_toolkit_package
 
 

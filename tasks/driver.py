@@ -10,6 +10,7 @@ from pyinfra.facts.server import KernelVersion, LinuxDistribution
 from pyinfra.operations import files, python, server
 
 from llamarig import operations, secureboot, stage
+from llamarig.factcache import known
 from llamarig.facts import (
     AptCandidates,
     DkmsSigning,
@@ -17,7 +18,6 @@ from llamarig.facts import (
     MokKeyState,
     NvidiaModule,
     NvidiaSmiGpus,
-    known,
 )
 from llamarig.hardware import check_versions
 from llamarig.packages import driver_packages, prebuilt_module_packages

@@ -5,7 +5,8 @@ from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 
 from llamarig import operations, render, stage
-from llamarig.facts import FileState, MissingCommands, known
+from llamarig.factcache import known
+from llamarig.facts import FileState, MissingCommands
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools
 
 

@@ -4,7 +4,8 @@ from pyinfra import api, host
 from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 
 from llamarig import stage
-from llamarig.facts import FirmwareBoot, NvidiaPciDevices, NvidiaSmiGpus, known
+from llamarig.factcache import known
+from llamarig.facts import FirmwareBoot, NvidiaPciDevices, NvidiaSmiGpus
 from llamarig.platform import os_problems
 from tasks import driver
 

@@ -9,7 +9,8 @@ from pyinfra.operations import server
 from pyinfra.operations.apt import APT_UPDATE_FILENAME
 
 from llamarig import operations, render, stage
-from llamarig.facts import PackageVersions, known
+from llamarig.factcache import known
+from llamarig.facts import PackageVersions
 from llamarig.platform import codename, is_debian, nvidia_repo_dir
 
 

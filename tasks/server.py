@@ -13,7 +13,8 @@ from pyinfra.operations import systemd
 from pyinfra.operations.util import any_changed
 
 from llamarig import answers, hostpaths, operations, render, stage
-from llamarig.facts import RunningService, known
+from llamarig.factcache import known
+from llamarig.facts import RunningService
 
 
 @api.deploy("tasks/server.py")

@@ -14,9 +14,9 @@ import pytest
 from pyinfra.api import FactBase
 
 from llamarig import facts
+from llamarig.factcache import Batch, parse_one
 from llamarig.facts import (
     AptListsAge,
-    Batch,
     BuildDirectories,
     FileHead,
     FileState,
@@ -28,7 +28,6 @@ from llamarig.facts import (
     PackageVersions,
     ServerProbe,
     UnitState,
-    parse_one,
 )
 from llamarig.hostpaths import BUILD_COMPLETE_MARKER, CURL_AUTH
 

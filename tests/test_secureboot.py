@@ -315,7 +315,7 @@ class TestDriverStageReadsTheFacts:
             }
         )
         monkeypatch.setattr(driver_stage, "host", fake)
-        # The stage reads facts through facts.known, pyinfra's host.get_fact kept per run.
+        # The stage reads facts through factcache.known, pyinfra's host.get_fact kept per run.
         monkeypatch.setattr(driver_stage, "known", fake.get_fact)
         return fake
 

@@ -11,11 +11,8 @@ from pyinfra.api import (
 )
 from pyinfra.facts.apt import noninteractive_apt
 
-from llamarig.facts import (
-    AptListsAge,
-    PackageVersions,
-    known,
-)
+from llamarig.factcache import known
+from llamarig.facts import AptListsAge, PackageVersions
 from llamarig.hostpaths import APT_UPDATE_STAMP
 
 

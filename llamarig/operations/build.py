@@ -14,11 +14,8 @@ from pyinfra.api import (
 from pyinfra.facts.git import GitLocalCommit
 
 from llamarig import progress
-from llamarig.facts import (
-    BuildDirectories,
-    JsonFile,
-    known,
-)
+from llamarig.factcache import known
+from llamarig.facts import BuildDirectories, JsonFile
 from llamarig.hostjob import HostJob, JobCommand
 from llamarig.hostpaths import JOB_DIRECTORY
 

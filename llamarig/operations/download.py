@@ -15,10 +15,8 @@ from pyinfra.api import (
 from pyinfra.facts.files import File
 
 from llamarig import checksums, model_lock, progress
-from llamarig.facts import (
-    RecordedSha256,
-    known,
-)
+from llamarig.factcache import known
+from llamarig.facts import RecordedSha256
 from llamarig.hostjob import HostJob, JobCommand
 from llamarig.hostpaths import JOB_DIRECTORY
 from llamarig.operations.host import fail_command

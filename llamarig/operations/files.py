@@ -17,10 +17,8 @@ from pyinfra.api import (
 from pyinfra.facts.files import Directory, File, FileContents, Link
 from pyinfra.operations.util.files import generate_color_diff
 
-from llamarig.facts import (
-    FileState,
-    known,
-)
+from llamarig.factcache import known
+from llamarig.facts import FileState
 from llamarig.hostpaths import ATOMIC_SUFFIX
 from llamarig.operations.host import fail_command
 

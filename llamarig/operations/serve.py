@@ -19,14 +19,8 @@ from llamarig import deploy_record, pace
 from llamarig.answers import Answer, verdict
 from llamarig.answers import check_command as answer_check_command
 from llamarig.answers import parse_output as parse_answer_output
-from llamarig.facts import (
-    PROBE_CONNECT_S,
-    PROBE_MAX_S,
-    MeasuredOverheads,
-    ServerProbe,
-    UnitState,
-    known,
-)
+from llamarig.factcache import known
+from llamarig.facts import PROBE_CONNECT_S, PROBE_MAX_S, MeasuredOverheads, ServerProbe, UnitState
 from llamarig.hostpaths import CURL_AUTH
 from llamarig.llama_args import option_name
 from llamarig.operations.host import connected_host, fail_command

@@ -13,12 +13,8 @@ from pyinfra.api import (
     operation,
 )
 
-from llamarig.facts import (
-    UnitState,
-    known,
-    parse_slot_counts,
-    slot_counts_command,
-)
+from llamarig.factcache import known
+from llamarig.facts import UnitState, parse_slot_counts, slot_counts_command
 from llamarig.operations.host import connected_host, fail_command
 
 # How often a drain polls the slots, and how often it says what it waits for.
