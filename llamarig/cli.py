@@ -23,8 +23,8 @@ from llamarig.facts import PROBE_CONNECT_S
 from llamarig.gguf_header import GgufError
 from llamarig.hubref import HubError
 from llamarig.model_lock import lock_path, record_header, resolved
-from llamarig.plan import plan_host
-from llamarig.remote import Gathered, SshTarget, gather, run_on_host, shell_reader
+from llamarig.plan import HostPlan
+from llamarig.remote import Gathered, SshTarget, plan_for, run_on_host, shell_reader
 from llamarig.shapes import SHA256_HEX, address_problem, host_name_problem
 from llamarig.tune import TuneError, tune_host
 from llamarig.verify import verify_host
@@ -45,10 +45,10 @@ def _chosen_hosts(args: argparse.Namespace) -> dict[str, HostConfig] | None:
 PROVISIONAL_STATUS = 3
 
 
-def _gathered(args: argparse.Namespace) -> dict[str, tuple[dict, Gathered]] | None:
-    """Each chosen host's rig data (a Hugging Face reference resolved) and what its plan
-    reads; None, the problem printed, when the inventory or a reference is refused. The host
-    is contacted only with --probe; a local host's model file is read in place."""
+def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered]] | None:
+    """Each chosen host's plan (a Hugging Face reference resolved) and what it read; None, the
+    problem printed, when the inventory or a reference is refused. The host is contacted only
+    with --probe; a local host's model file is read in place."""
     hosts = _chosen_hosts(args)
     if hosts is None:
         return None
@@ -64,18 +64,15 @@ def _gathered(args: argparse.Namespace) -> dict[str, tuple[dict, Gathered]] | No
             return None
         contact = args.probe or data["ssh"].get("local")
         reader = shell_reader(data) if contact else None
-        found[name] = data, gather(data, reader, gpus=args.probe, model=args.model)
+        found[name] = plan_for(name, data, reader, gpus=args.probe, model=args.model)
     return found
 
 
 def _plan(args: argparse.Namespace) -> int:
-    found = _gathered(args)
+    found = _planned(args)
     if found is None:
         return 2
-    plans = {
-        name: plan_host(name, data, **gathered.plan_inputs())
-        for name, (data, gathered) in found.items()
-    }
+    plans = {name: host_plan for name, (host_plan, _) in found.items()}
     if args.json:
         print(json.dumps({"hosts": {n: p.to_json() for n, p in plans.items()}}, indent=2))
     else:
@@ -93,11 +90,12 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _lock(args: argparse.Namespace) -> int:
     """Record in models.lock.yml the GGUF header of each model file the planner reads."""
-    found = _gathered(args)
+    found = _planned(args)
     if found is None:
         return 2
     lock, status = lock_path(), 0
-    for name, (data, gathered) in found.items():
+    for name, (host_plan, gathered) in found.items():
+        data = host_plan.resolved
         if data["llama_cpp"]["backend"] != "cuda" or data["role"] == "rpc-worker":
             print(f"{name}: nothing to record (only a CUDA rig's plan reads the model's header)")
             continue
@@ -307,9 +305,7 @@ def _init(args: argparse.Namespace) -> int:
                 print(f"  {problem}", file=sys.stderr)
             return 2
         if args.model:
-            plan = plan_host(
-                args.name, host.data, **gather(host.data, None, gpus=False).plan_inputs()
-            )
+            plan, _ = plan_for(args.name, host.data, None, gpus=False)
             server = plan.resolved["server"]
             settings["server"] = {"split_mode": server["split_mode"]}
             if server["tensor_split"]:

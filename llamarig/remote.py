@@ -225,13 +225,30 @@ def gather(
     return gathered
 
 
+def plan_for(
+    name: str,
+    data: dict,
+    reader: Reader | None,
+    *,
+    gpus: bool | None = None,
+    model: str | None = None,
+) -> tuple[HostPlan, Gathered]:
+    """The one path from a host's rig data (a Hugging Face reference already resolved) to its
+    plan, for the deploy, `plan`, `init`, `tune` and `verify` alike: what the host tells,
+    gathered through ``reader`` (None: the host is not contacted), then the plan. ``gpus``:
+    probe the GPUs (default: for the CUDA backend); ``model``: a local copy of the model."""
+    if gpus is None:
+        gpus = data["llama_cpp"]["backend"] == "cuda"
+    gathered = gather(data, reader, gpus=gpus, model=model)
+    return plan_host(name, data, **gathered.plan_inputs()), gathered
+
+
 def host_plan(host_config: HostConfig) -> HostPlan:
     """The plan of a deployed host as its deploy made it, read over SSH: a Hugging Face
     reference resolved through models.lock.yml, the host's GPUs (for the CUDA backend) and the
     model's header. Raises HubError for a reference the lock cannot resolve."""
     data = resolved(host_config.data)
-    gathered = gather(data, shell_reader(data), gpus=data["llama_cpp"]["backend"] == "cuda")
-    return plan_host(host_config.name, data, **gathered.plan_inputs())
+    return plan_for(host_config.name, data, shell_reader(data))[0]
 
 
 def _model_header(gathered: Gathered, data: dict, reader: Reader | None) -> None:

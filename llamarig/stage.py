@@ -40,8 +40,8 @@ from llamarig.facts import (
 from llamarig.hubref import HubError
 from llamarig.model_lock import lock_path, resolved
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools
-from llamarig.plan import HostPlan, plan_host
-from llamarig.remote import gather
+from llamarig.plan import HostPlan
+from llamarig.remote import plan_for
 
 _rigs: dict[str, dict] = {}
 _plans: dict[str, HostPlan] = {}
@@ -70,12 +70,10 @@ def plan() -> HostPlan:
     """The plan of the host being prepared: its GPUs (nvidia-smi, else PCI ids) and the model's
     GGUF header (read from the model's URL, else from the file on the host)."""
     if host.name not in _plans:
-        data = rig()
-        gathered = gather(data, known, gpus=data["llama_cpp"]["backend"] == "cuda")
+        _plans[host.name], gathered = plan_for(host.name, rig(), known)
         for warning in gathered.warnings:
             host.noop(warning)
         _headers_read[host.name] = gathered.read, gathered.superseded
-        _plans[host.name] = plan_host(host.name, data, **gathered.plan_inputs())
         if _plans[host.name].provisional:  # shown without -v: the unit may change later
             host.log_styled(_plans[host.name].provisional, fg="yellow", log_func=logger.warning)
     return _plans[host.name]

@@ -35,7 +35,7 @@ from llamarig.hardware import memory_bandwidth_gbs
 from llamarig.hubref import HubError
 from llamarig.model_lock import resolved
 from llamarig.plan import HostPlan, plan_host
-from llamarig.remote import gather, run_on_host, shell_reader
+from llamarig.remote import plan_for, run_on_host, shell_reader
 
 UBATCH_SIZES = (256, 512, 1024)
 RATIO_STEP = 0.05
@@ -769,9 +769,8 @@ def tune_host(
         data = resolved(host_config.data)  # a Hugging Face reference as the deploy fetched it
     except HubError as error:
         raise TuneError(f"{name}: {'.'.join(error.key_path)}: {error.message}") from None
-    gathered = gather(data, shell_reader(data), gpus=data["llama_cpp"]["backend"] == "cuda")
+    plan, gathered = plan_for(name, data, shell_reader(data))
     inputs = gathered.plan_inputs()
-    plan = plan_host(name, data, **inputs)
     if not plan.fits:
         raise TuneError(f"{name}: the plan does not fit:\n" + "\n".join(plan.errors))
     binary = "llama-bench" if goal == "decode" else "llama-server"
