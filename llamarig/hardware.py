@@ -296,6 +296,18 @@ def version_findings(
     return findings
 
 
+def chosen_versions(data: dict) -> dict:
+    """The toolkit and driver choice of rig data, as `version_findings` and `check_versions`
+    take it (all but the GPUs and the installed driver's version)."""
+    cuda, driver = data["cuda"], data["driver"]
+    return {
+        "cuda_version": cuda["version"] if cuda["source"] != "none" else None,
+        "open_modules": driver["open"],
+        "driver_source": driver["source"],
+        "cuda_source": cuda["source"],
+    }
+
+
 def check_versions(
     compute_capabilities: Iterable[str],
     cuda_version: str | None,

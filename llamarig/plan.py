@@ -17,7 +17,7 @@ from typing import Any
 
 from llamarig import header_cache, render
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
-from llamarig.hardware import check_versions, gpu_from_pci_id, same_gpu_name
+from llamarig.hardware import check_versions, chosen_versions, gpu_from_pci_id, same_gpu_name
 from llamarig.hubref import HubError, read_token
 from llamarig.memory import (
     CTX_PAD,
@@ -495,14 +495,10 @@ def plan_host(
     if gpu:
         if resolved["gpus"] or data["llama_cpp"]["cuda_architectures"] != "auto":
             architectures = render.cuda_arch_list(resolved)
-        cuda = data["cuda"]
         errors += check_versions(
             [g["compute_capability"] for g in gpus],
-            cuda_version=cuda["version"] if cuda["source"] != "none" else None,
             driver_version=driver_version,
-            open_modules=data["driver"]["open"],
-            driver_source=data["driver"]["source"],
-            cuda_source=cuda["source"],
+            **chosen_versions(data),
         )
 
     plan = HostPlan(name, resolved, gpus, source, architectures, None, errors, warnings)

@@ -19,7 +19,7 @@ from llamarig.facts import (
     NvidiaModule,
     NvidiaSmiGpus,
 )
-from llamarig.hardware import check_versions
+from llamarig.hardware import check_versions, chosen_versions
 from llamarig.packages import driver_packages, prebuilt_module_packages
 from llamarig.platform import is_debian
 
@@ -132,12 +132,7 @@ def deploy() -> list[OperationMeta]:
 
     def floor_problems(driver_version):
         return check_versions(
-            compute_capabilities,
-            cuda_version=rig["cuda"]["version"] if rig["cuda"]["source"] != "none" else None,
-            driver_version=driver_version,
-            open_modules=driver["open"],
-            driver_source=driver["source"],
-            cuda_source=rig["cuda"]["source"],
+            compute_capabilities, driver_version=driver_version, **chosen_versions(rig)
         )
 
     if driver["source"] == "none":

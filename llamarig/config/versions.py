@@ -11,14 +11,13 @@ from llamarig.hardware import Shortfall, VersionFinding
 def version_problems(data: dict) -> list[Problem]:
     """Toolkit and driver choices that cannot serve the declared GPUs (the plan checks the
     probed GPUs and the installed driver against the same findings)."""
-    cuda, driver = data["cuda"], data["driver"]
+    chosen = hardware.chosen_versions(data)
+    if data["driver"]["source"] == "none":
+        chosen["open_modules"] = None  # no driver of llamarig's to check
     findings = hardware.version_findings(
         [gpu["compute_capability"] for gpu in data["gpus"]],
-        cuda_version=cuda["version"] if cuda["source"] != "none" else None,
         driver_version=None,  # the installed driver is the plan's to check
-        open_modules=driver["open"] if driver["source"] != "none" else None,
-        driver_source=driver["source"],
-        cuda_source=cuda["source"],
+        **chosen,
     )
     names = {gpu["compute_capability"]: gpu["name"] for gpu in data["gpus"]}
     problems = (_worded(finding, data, names) for finding in findings)
