@@ -19,15 +19,13 @@ from llamarig import header_cache, render
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
 from llamarig.hardware import check_versions, chosen_versions, gpu_from_pci_id, same_gpu_name
 from llamarig.hubref import HubError, read_token
-from llamarig.memory import (
+from llamarig.memory import Device, MemoryPlan, plan_memory
+from llamarig.memory.sizes import (
     CTX_PAD,
     CUDA_FA_KV_TYPES,
     TENSOR_SPLIT_UNSUPPORTED,
-    Device,
-    MemoryPlan,
     default_reserve_mib,
     kv_cells,
-    plan_memory,
 )
 from llamarig.shards import sibling_paths, sibling_urls
 
