@@ -21,8 +21,8 @@ from llamarig.config.problems import Problem, located
 from llamarig.entry import host_entry, inventory_document, probe, render_entry
 from llamarig.facts import PROBE_CONNECT_S
 from llamarig.gguf_header import GgufError
-from llamarig.hubref import HubError
-from llamarig.model_lock import lock_path, record_header, resolved
+from llamarig.model.lock import lock_path, record_header, resolved
+from llamarig.model.reference import HubError
 from llamarig.plan import HostPlan
 from llamarig.remote import Gathered, SshTarget, plan_for, run_on_host, shell_reader
 from llamarig.shapes import SHA256_HEX, address_problem, host_name_problem

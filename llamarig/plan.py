@@ -15,10 +15,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamarig import header_cache, render
+from llamarig import render
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
 from llamarig.hardware import check_versions, chosen_versions, gpu_from_pci_id, same_gpu_name
-from llamarig.hubref import HubError, read_token
 from llamarig.memory import Device, MemoryPlan, plan_memory
 from llamarig.memory.sizes import (
     CTX_PAD,
@@ -27,7 +26,9 @@ from llamarig.memory.sizes import (
     default_reserve_mib,
     kv_cells,
 )
-from llamarig.shards import sibling_paths, sibling_urls
+from llamarig.model import header_cache
+from llamarig.model.reference import HubError, read_token
+from llamarig.model.shards import sibling_paths, sibling_urls
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
 DEFAULT_DRAFT_MAX = 3
@@ -391,7 +392,7 @@ def url_headers(data: dict) -> tuple[list[GgufHeader], str]:
 
 
 # A GGUF header with a 250k-token vocabulary is about 10 MiB; it travels base64 over SSH (slow:
-# 16 MiB in 20 s), so a small read comes first and the header is kept (llamarig.header_cache).
+# 16 MiB in 20 s), so a small read comes first and the header is kept (llamarig.model.header_cache).
 HOST_HEADER_FIRST_READ = 1 << 20
 HOST_HEADER_READ = 16 << 20
 

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from llamarig import header_cache, header_record
 from llamarig.config import HostConfig, expand_path, strict_host_key_checking
 from llamarig.config.derived import ModelFile, model_files
 from llamarig.facts import (
@@ -24,7 +23,8 @@ from llamarig.facts import (
 )
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
 from llamarig.hostpaths import HUB_TOKEN_HEADER_PATH, OVERHEADS_DIR
-from llamarig.model_lock import declared_key, header_key, lock_path, recorded_header, resolved
+from llamarig.model import header_cache, header_record
+from llamarig.model.lock import declared_key, header_key, lock_path, recorded_header, resolved
 from llamarig.plan import (
     HOST_HEADER_FIRST_READ,
     HOST_HEADER_READ,
@@ -332,7 +332,7 @@ def host_url_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError |
 def host_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:
     """The GGUF header of a model file on the host, the error reading it, or None when the
     file is not there: kept on this machine by the file's sha256, else by its path and
-    identity (``llamarig.header_cache``); else read over the connection."""
+    identity (``llamarig.model.header_cache``); else read over the connection."""
     key = file.sha256 or header_cache.identity_key(file.dest, reader(FileIdentity, path=file.dest))
     return _kept_or_read(key, file.dest, lambda size: reader(FileHead, path=file.dest, size=size))
 

@@ -37,8 +37,8 @@ from llamarig.facts import (
     RunningService,
     UnitState,
 )
-from llamarig.hubref import HubError
-from llamarig.model_lock import lock_path, resolved
+from llamarig.model.lock import lock_path, resolved
+from llamarig.model.reference import HubError
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools
 from llamarig.plan import HostPlan
 from llamarig.remote import plan_for

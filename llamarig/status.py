@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from llamarig import checksums, deploy_record, hostpaths, render
 from llamarig.config import HostConfig
-from llamarig.hubref import HubError
+from llamarig.model.reference import HubError
 from llamarig.progress import format_duration
 from llamarig.remote import SshTarget, host_plan
 

@@ -32,8 +32,8 @@ from llamarig import hostpaths, render, throughput
 from llamarig.config import HostConfig
 from llamarig.config.inventory import load_inventory, tuned_path
 from llamarig.hardware import memory_bandwidth_gbs
-from llamarig.hubref import HubError
-from llamarig.model_lock import resolved
+from llamarig.model.reference import HubError
+from llamarig.model.lock import resolved
 from llamarig.plan import HostPlan, plan_host
 from llamarig.remote import plan_for, run_on_host, shell_reader
 

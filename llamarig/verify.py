@@ -15,7 +15,7 @@ from llamarig import PACKAGE_DIR, PROJECT_DIR, checksums, hostpaths, render
 from llamarig.config import HostConfig
 from llamarig.config.derived import model_files
 from llamarig.config.problems import Problem, located
-from llamarig.hubref import HubError
+from llamarig.model.reference import HubError
 from llamarig.remote import SshTarget, host_plan, ssh_alias
 
 # Inside the package, so an installed llamarig (not only a source checkout) carries it.

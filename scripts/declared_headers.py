@@ -18,7 +18,7 @@ from pathlib import Path
 
 from llamarig.config import load_inventory
 from llamarig.gguf_header import read_gguf_header_file
-from llamarig.model_lock import LOCK_NAME, declare_header, recorded_header
+from llamarig.model.lock import LOCK_NAME, declare_header, recorded_header
 from tests.ggufmodels import Qwen35Shape, write_qwen35
 
 PROJECT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from pyinfra.api.operation import OperationMeta
 
 from llamarig import hostpaths, operations, stage
 from llamarig.config.derived import model_files
-from llamarig.hubref import read_token
+from llamarig.model.reference import read_token
 
 # The token is uploaded into a directory only root may enter, so no one else can read it even
 # before its own mode is set.

@@ -1,8 +1,8 @@
 """A STAND-IN for the Hugging Face Hub, on loopback, for tests: not the Hub, and not a mirror.
 
-It implements the endpoints that huggingface_hub calls for llamarig.hub, as the real Hub answers
-them (status codes, ``X-Error-Code`` headers, JSON fields; found by running the client against
-it and by reading the client's code):
+It implements the endpoints that huggingface_hub calls for llamarig.model.hub, as the real Hub
+answers them (status codes, ``X-Error-Code`` headers, JSON fields; found by running the client
+against it and by reading the client's code):
 
 - ``GET /api/models/{repo}/revision/{rev}`` (``HfApi.model_info``): ``id``, ``sha`` (the commit),
   ``private``, ``gated``, ``siblings``;

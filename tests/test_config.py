@@ -8,7 +8,7 @@ import pytest
 
 from llamarig.config import ConfigError, load_inventory
 from llamarig.config.problems import Problem, located
-from llamarig.model_lock import LOCK_NAME
+from llamarig.model.lock import LOCK_NAME
 from tests.conftest import PROJECT, offline, pyinfra_env
 
 MINIMAL = """

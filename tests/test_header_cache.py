@@ -1,4 +1,4 @@
-"""The GGUF header cache (`llamarig.header_cache`): a model's header is read from its host or
+"""The GGUF header cache (`llamarig.model.header_cache`): a model's header is read from its host or
 its URL once per sha256, then from this machine; the host read starts small. The readers here
 are the real facts' process() over the file's real bytes, counted; the URL is the loopback Hub
 stand-in (tests/hubstandin.py)."""
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from llamarig import header_cache
 from llamarig.config.derived import ModelFile
 from llamarig.facts import FileHead, FileIdentity
 from llamarig.gguf_header import read_gguf_header_file
+from llamarig.model import header_cache
 from llamarig.plan import HOST_HEADER_FIRST_READ, HOST_HEADER_READ, fetch_header
 from llamarig.remote import host_header
 from tests.ggufmodels import llama_metadata, llama_tensors, write_gguf, write_llama

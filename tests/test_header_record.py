@@ -1,4 +1,4 @@
-"""The GGUF headers models.lock.yml records (llamarig.header_record, model_lock): a plan made
+"""The GGUF headers models.lock.yml records (llamarig.model.header_record, model_lock): a plan made
 from the record is the plan made from the file's header, byte for byte; a plan made from
 neither is provisional and says so; a record is untrusted input."""
 
@@ -16,11 +16,13 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llamarig import header_record, model_lock, render
+from llamarig import render
 from llamarig.config import load_inventory
 from llamarig.config.derived import model_files
 from llamarig.gguf_header import GgufError, read_gguf_header_file
-from llamarig.model_lock import header_key, record_header, recorded_header
+from llamarig.model import header_record
+from llamarig.model import lock as model_lock
+from llamarig.model.lock import header_key, record_header, recorded_header
 from llamarig.plan import plan_host
 from llamarig.remote import gather
 from tests.conftest import PROJECT, offline, pyinfra_env

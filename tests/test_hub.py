@@ -1,4 +1,4 @@
-"""Hugging Face references (llamarig.hub) resolved through huggingface_hub against a loopback
+"""Hugging Face references (llamarig.model.hub) resolved through huggingface_hub against a loopback
 STAND-IN for the Hub (tests/hubstandin.py), not the Hub: the production endpoint stays the
 default, and no test reaches it (the network guard refuses and records any attempt).
 
@@ -23,7 +23,7 @@ import pytest
 from gguf import GGUFWriter
 from huggingface_hub import constants
 
-from llamarig.hub import HubError, resolve
+from llamarig.model.hub import HubError, resolve
 from tests.hubstandin import HubStandIn, RunningStandIn, commit_sha
 
 SMOLLM2_SIZE = 98_362_432

@@ -17,15 +17,17 @@ import pytest
 import yaml
 from pyinfra.api.command import StringCommand
 
-from llamarig import hub, model_lock, operations
+from llamarig import operations
 from llamarig.config import ConfigError, load_inventory
 from llamarig.config.derived import ModelFile, model_files
 from llamarig.gguf_header import GgufError, merge_split, read_gguf_header_file
 from llamarig.hostjob import JobCommand
 from llamarig.hostpaths import ATOMIC_SUFFIX
-from llamarig.hubref import HubError
+from llamarig.model import hub
+from llamarig.model import lock as model_lock
+from llamarig.model.reference import HubError
+from llamarig.model.shards import shard_names, sibling_paths, sibling_urls, split_parts
 from llamarig.plan import load_header, plan_host
-from llamarig.shards import shard_names, sibling_paths, sibling_urls, split_parts
 from tests import hubstandin
 from tests.ggufmodels import split_gguf, write_llama
 from tests.hubstandin import HubStandIn, RunningStandIn, commit_sha

@@ -9,8 +9,8 @@ from pathlib import PurePosixPath
 
 from llamarig.config.addresses import local_url
 from llamarig.config.hosts import HostConfig
+from llamarig.model.shards import shard_count, sibling_paths, sibling_urls
 from llamarig.shapes import url_file_name
-from llamarig.shards import shard_count, sibling_paths, sibling_urls
 
 # Keys of `rpc` that only derive_rpc writes, each with what to do instead.
 _FROM_WORKERS = (
@@ -55,7 +55,7 @@ class ModelFile:
 def model_files(data: dict) -> list[ModelFile]:
     """The model's files in order (the first is what llama-server is given): one, or each shard
     of a split model beside the first, with the sha256 given for it. A Hugging Face reference
-    must be resolved first (`llamarig.model_lock.resolved`), which sets `url` and `sha256`."""
+    must be resolved first (`llamarig.model.lock.resolved`), which sets `url` and `sha256`."""
     model = data["model"]
     count = shard_count(model_source_name(model) or "")
     sha256 = model["sha256"]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from llamarig.config.derived import model_filename, model_source_name
 from llamarig.config.problems import Problem
-from llamarig.hubref import KEYS as HF_KEYS
-from llamarig.hubref import HubError, read_token, validated
-from llamarig.shards import numbering_problem, shard_names, split_parts
+from llamarig.model.reference import KEYS as HF_KEYS
+from llamarig.model.reference import HubError, read_token, validated
+from llamarig.model.shards import numbering_problem, shard_names, split_parts
 
 SOURCES = ("url", "path", "hf")
 

@@ -14,11 +14,12 @@ from pyinfra.api import (
 )
 from pyinfra.facts.files import File
 
-from llamarig import checksums, model_lock, progress
+from llamarig import checksums, progress
 from llamarig.factcache import known
 from llamarig.facts import RecordedSha256
 from llamarig.hostjob import HostJob, JobCommand
 from llamarig.hostpaths import JOB_DIRECTORY
+from llamarig.model import lock as model_lock
 from llamarig.operations.host import fail_command
 
 

@@ -1,6 +1,6 @@
 """A Hugging Face model reference checked offline: its keys, and values in shapes that cannot
 carry shell syntax (the repo id, a path in the repo, a quant, a revision, the endpoint). The
-config rules use it at load time; `llamarig.hub` resolves what passes (see there for the
+config rules use it at load time; `llamarig.model.hub` resolves what passes (see there for the
 reference's forms and the choices made)."""
 
 from __future__ import annotations

@@ -20,20 +20,20 @@ from urllib.parse import quote
 
 import yaml
 
-from llamarig import header_record
 from llamarig.config.derived import ModelFile
 from llamarig.config.loader import load_yaml
 from llamarig.config.paths import inventory_path
 from llamarig.config.problems import ConfigError
 from llamarig.gguf_header import GgufError, GgufHeader
-from llamarig.hubref import (
+from llamarig.model import header_record
+from llamarig.model.reference import (
     DEFAULT_ENDPOINT,
     DEFAULT_REVISION,
     HubError,
     quant_pattern,
     validated,
 )
-from llamarig.shards import sibling_paths
+from llamarig.model.shards import sibling_paths
 
 LOCK_NAME = "models.lock.yml"
 UPDATE_ENV = "LLAMARIG_UPDATE_MODELS"
@@ -275,7 +275,7 @@ def recorded(model: dict, lock: Path, update: bool) -> dict:
         for entry in read_lock(lock):
             if entry["reference"] == reference:
                 return entry
-    from llamarig import hub  # the network side, imported only when a reference is resolved
+    from llamarig.model import hub  # the network side, imported only when a reference is resolved
 
     asked = {**reference, **({"token_file": model["token_file"]} if model["token_file"] else {})}
     found = hub.resolve(asked)
