@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from llamarig.config import HostConfig, expand_path, strict_host_key_checking
-from llamarig.config.derived import ModelFile, model_files
 from llamarig.facts import (
     FileHead,
     FileIdentity,
@@ -24,17 +23,16 @@ from llamarig.facts import (
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
 from llamarig.hostpaths import HUB_TOKEN_HEADER_PATH, OVERHEADS_DIR
 from llamarig.model import header_cache, header_record
-from llamarig.model.lock import declared_key, header_key, lock_path, recorded_header, resolved
-from llamarig.plan import (
+from llamarig.model.files import ModelFile, model_files
+from llamarig.model.header import (
     HOST_HEADER_FIRST_READ,
     HOST_HEADER_READ,
-    HostPlan,
-    gpus_from_pci,
     header_from_host,
     load_header,
-    plan_host,
     url_headers,
 )
+from llamarig.model.lock import declared_key, header_key, lock_path, recorded_header, resolved
+from llamarig.plan import HostPlan, gpus_from_pci, plan_host
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 
 from llamarig import boot, checksums, deploy_record, hostpaths, operations, render
 from llamarig.config import ConfigError, rig_data
-from llamarig.config.derived import model_files
 from llamarig.factcache import known, prefetch
 from llamarig.facts import (
     AptListsAge,
@@ -37,6 +36,7 @@ from llamarig.facts import (
     RunningService,
     UnitState,
 )
+from llamarig.model.files import model_files
 from llamarig.model.lock import lock_path, resolved
 from llamarig.model.reference import HubError
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from llamarig import PACKAGE_DIR, PROJECT_DIR, checksums, hostpaths, render
 from llamarig.config import HostConfig
-from llamarig.config.derived import model_files
 from llamarig.config.problems import Problem, located
+from llamarig.model.files import model_files
 from llamarig.model.reference import HubError
 from llamarig.remote import SshTarget, host_plan, ssh_alias
 

@@ -7,7 +7,7 @@ from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 
 from llamarig import hostpaths, operations, stage
-from llamarig.config.derived import model_files
+from llamarig.model.files import model_files
 from llamarig.model.reference import read_token
 
 # The token is uploaded into a directory only root may enter, so no one else can read it even

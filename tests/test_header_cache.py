@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from llamarig.config.derived import ModelFile
 from llamarig.facts import FileHead, FileIdentity
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.model import header_cache
-from llamarig.plan import HOST_HEADER_FIRST_READ, HOST_HEADER_READ, fetch_header
+from llamarig.model.files import ModelFile
+from llamarig.model.header import HOST_HEADER_FIRST_READ, HOST_HEADER_READ, fetch_header
 from llamarig.remote import host_header
 from tests.ggufmodels import llama_metadata, llama_tensors, write_gguf, write_llama
 from tests.hubstandin import HubStandIn, RunningStandIn

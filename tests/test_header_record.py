@@ -18,10 +18,10 @@ import yaml
 
 from llamarig import render
 from llamarig.config import load_inventory
-from llamarig.config.derived import model_files
 from llamarig.gguf_header import GgufError, read_gguf_header_file
 from llamarig.model import header_record
 from llamarig.model import lock as model_lock
+from llamarig.model.files import model_files
 from llamarig.model.lock import header_key, record_header, recorded_header
 from llamarig.plan import plan_host
 from llamarig.remote import gather
@@ -337,7 +337,7 @@ def test_the_host_reads_the_header_where_this_machine_cannot(
     the final one - and the deploy's first converge installs the final unit."""
     import urllib.error
 
-    from llamarig import plan as planner
+    from llamarig.model import header as model_header
     from llamarig.remote import shell_reader
 
     root, base = file_server
@@ -355,7 +355,7 @@ def test_the_host_reads_the_header_where_this_machine_cannot(
     def unreachable(url, *_, **__):
         raise urllib.error.URLError(f"this machine cannot reach {url}")
 
-    monkeypatch.setattr(planner, "fetch_header", unreachable)
+    monkeypatch.setattr(model_header, "fetch_header", unreachable)
     blind = gather(data, None, gpus=False)
     assert blind.header is None and "this machine cannot reach" in blind.header_note
     assert plan_host("rig1", copy.deepcopy(data), blind.header).blind

@@ -19,15 +19,16 @@ from pyinfra.api.command import StringCommand
 
 from llamarig import operations
 from llamarig.config import ConfigError, load_inventory
-from llamarig.config.derived import ModelFile, model_files
 from llamarig.gguf_header import GgufError, merge_split, read_gguf_header_file
 from llamarig.hostjob import JobCommand
 from llamarig.hostpaths import ATOMIC_SUFFIX
 from llamarig.model import hub
 from llamarig.model import lock as model_lock
+from llamarig.model.files import ModelFile, model_files
+from llamarig.model.header import load_header
 from llamarig.model.reference import HubError
 from llamarig.model.shards import shard_names, sibling_paths, sibling_urls, split_parts
-from llamarig.plan import load_header, plan_host
+from llamarig.plan import plan_host
 from tests import hubstandin
 from tests.ggufmodels import split_gguf, write_llama
 from tests.hubstandin import HubStandIn, RunningStandIn, commit_sha
@@ -669,8 +670,8 @@ class TestPlanCommand:
         import shutil
         import urllib.error
 
-        from llamarig import plan as planner
         from llamarig.cli import main
+        from llamarig.model import header as model_header
 
         text = model_yaml(
             hf="org/tiny", file="split/tiny-00001-of-00003.gguf", endpoint=stand_in.url
@@ -686,7 +687,7 @@ class TestPlanCommand:
         def unreachable(url, *_, **__):
             raise urllib.error.URLError(f"cannot reach {url}")
 
-        monkeypatch.setattr(planner, "fetch_header", unreachable)
+        monkeypatch.setattr(model_header, "fetch_header", unreachable)
         assert main(["plan", "--json"]) == 0
         assert capsys.readouterr().out == from_files
 

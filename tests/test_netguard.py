@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from llamarig.plan import load_header
+from llamarig.model.header import load_header
 from tests.conftest import offline
 from tests.netguard import NetworkGuard, is_loopback
 

@@ -18,7 +18,6 @@ One job per module, each importable alone (lower ones never import higher ones):
 """
 
 from llamarig.config.addresses import WILDCARD_HOSTS, is_loopback
-from llamarig.config.derived import model_filename
 from llamarig.config.hosts import HostConfig, Inventory
 from llamarig.config.inventory import deep_merge, load_inventory
 from llamarig.config.loader import defaults, load_yaml
@@ -27,6 +26,7 @@ from llamarig.config.problems import ConfigError, Problem
 from llamarig.config.schema import schema
 from llamarig.config.ssh_trust import connection_problems, strict_host_key_checking
 from llamarig.config.validation import rig_data, validate_host
+from llamarig.model.files import model_filename
 
 __all__ = [
     "DEFAULTS_PATH",

@@ -1,16 +1,11 @@
-"""Settings llamarig derives from others, so that nothing is typed twice: the model's file
-name and its files (every shard of a split model), and an RPC head's endpoints and worker GPUs
-from the worker hosts it names."""
+"""Settings llamarig derives from others, so that nothing is typed twice: an RPC head's
+endpoints and worker GPUs from the worker hosts it names (the model's file name and files are
+llamarig.model.files')."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import PurePosixPath
-
 from llamarig.config.addresses import local_url
 from llamarig.config.hosts import HostConfig
-from llamarig.model.shards import shard_count, sibling_paths, sibling_urls
-from llamarig.shapes import url_file_name
 
 # Keys of `rpc` that only derive_rpc writes, each with what to do instead.
 _FROM_WORKERS = (
@@ -22,56 +17,6 @@ DERIVED_RPC_KEYS = {
     "worker_gpus": _FROM_WORKERS,
     "head": "is derived from the head whose rpc.workers names this worker; name it there instead",
 }
-
-
-def model_filename(data: dict) -> str:
-    """File name of the model on the host: explicit, else the URL's or path's last part."""
-    model = data["model"]
-    if model["filename"]:
-        return model["filename"]
-    if model["url"]:
-        return url_file_name(model["url"])
-    return (model["path"] or "").rstrip("/").rsplit("/", 1)[-1]
-
-
-def model_source_name(model: dict) -> str | None:
-    """The file name the model is named by: the URL's or path's last part, or the file's in a
-    Hugging Face repo (None for a `quant`, known only once resolved)."""
-    if model["url"]:
-        return url_file_name(model["url"])
-    source = model["path"] or model["file"]
-    return source.rstrip("/").rsplit("/", 1)[-1] if source else None
-
-
-@dataclass(frozen=True)
-class ModelFile:
-    """One file of the model on the host: the whole model, or one shard of a split one."""
-
-    dest: str  # its path on the host
-    url: str | None  # where it is downloaded from; None for a file already on the host
-    sha256: str | None  # None: a file on the host that is not checked
-
-
-def model_files(data: dict) -> list[ModelFile]:
-    """The model's files in order (the first is what llama-server is given): one, or each shard
-    of a split model beside the first, with the sha256 given for it. A Hugging Face reference
-    must be resolved first (`llamarig.model.lock.resolved`), which sets `url` and `sha256`."""
-    model = data["model"]
-    count = shard_count(model_source_name(model) or "")
-    sha256 = model["sha256"]
-    digests = sha256 if isinstance(sha256, list) else [sha256] * count
-    if model["path"]:
-        return [
-            ModelFile(path, None, digest)
-            for path, digest in zip(sibling_paths(model["path"]), digests, strict=True)
-        ]
-    directory = PurePosixPath(data["paths"]["models"])
-    urls = sibling_urls(model["url"]) if count > 1 else [model["url"]]
-    names = [url_file_name(url) for url in urls] if count > 1 else [model_filename(data)]
-    return [
-        ModelFile(str(directory / name), url, digest)
-        for name, url, digest in zip(names, urls, digests, strict=True)
-    ]
 
 
 def rpc_workers(head: HostConfig, hosts: dict[str, HostConfig]) -> list[HostConfig]:

@@ -20,12 +20,12 @@ from urllib.parse import quote
 
 import yaml
 
-from llamarig.config.derived import ModelFile
 from llamarig.config.loader import load_yaml
 from llamarig.config.paths import inventory_path
 from llamarig.config.problems import ConfigError
 from llamarig.gguf_header import GgufError, GgufHeader
 from llamarig.model import header_record
+from llamarig.model.files import ModelFile
 from llamarig.model.reference import (
     DEFAULT_ENDPOINT,
     DEFAULT_REVISION,
