@@ -16,13 +16,15 @@ from typing import Any
 from llamarig import render
 from llamarig.gguf_header import GgufHeader
 from llamarig.hardware import check_versions, chosen_versions, gpu_from_pci_id, same_gpu_name
-from llamarig.memory import Device, MemoryPlan, plan_memory
-from llamarig.memory.sizes import (
+from llamarig.memory import (
     CTX_PAD,
     CUDA_FA_KV_TYPES,
     TENSOR_SPLIT_UNSUPPORTED,
+    Device,
+    MemoryPlan,
     default_reserve_mib,
     kv_cells,
+    plan_memory,
 )
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).

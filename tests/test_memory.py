@@ -4,9 +4,17 @@ from dataclasses import replace
 import pytest
 
 from llamarig.gguf_header import read_gguf_header_file
-from llamarig.memory import Device, plan_memory
-from llamarig.memory.placement import layer_devices, split_units
-from llamarig.memory.sizes import MIB, ON_HOST, compute_buffer_bytes, kv_cache_bytes, kv_cells
+from llamarig.memory import (
+    MIB,
+    ON_HOST,
+    Device,
+    compute_buffer_bytes,
+    kv_cache_bytes,
+    kv_cells,
+    layer_devices,
+    plan_memory,
+    split_units,
+)
 from tests.ggufmodels import (
     Qwen35Shape,
     llama_metadata,

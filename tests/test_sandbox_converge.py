@@ -481,7 +481,7 @@ def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
     """The planner's weights and KV bytes against the sizes the deployed llama-server logs at
     load (`-lv 4`, the CPU build), started by hand with the unit's arguments on another port."""
     from llamarig.gguf_header import read_gguf_header_file
-    from llamarig.memory.sizes import kv_cache_bytes
+    from llamarig.memory import kv_cache_bytes
 
     data = load_inventory(INVENTORY).hosts["sandbox"].data
     server = data["server"]

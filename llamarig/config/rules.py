@@ -15,7 +15,7 @@ from llamarig.config.model_rules import model_problems
 from llamarig.config.paths import expand_path, local_file_text
 from llamarig.config.problems import Problem, json_type
 from llamarig.config.versions import version_problems
-from llamarig.memory.sizes import CUDA_FA_KV_TYPES
+from llamarig.memory import CUDA_FA_KV_TYPES
 from llamarig.shapes import shape_problems
 
 UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
