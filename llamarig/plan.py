@@ -15,7 +15,13 @@ from typing import Any
 
 from llamarig import render
 from llamarig.gguf_header import GgufHeader
-from llamarig.hardware import check_versions, chosen_versions, gpu_from_pci_id, same_gpu_name
+from llamarig.hardware import (
+    check_versions,
+    chosen_versions,
+    gpu_from_pci_id,
+    memory_bandwidth_gbs,
+    same_gpu_name,
+)
 from llamarig.memory import (
     CTX_PAD,
     CUDA_FA_KV_TYPES,
@@ -308,6 +314,23 @@ def compare_gpus(declared: list[dict], found: list[dict], where: str) -> list[st
             if render.pci_sort_key(want["pci_bus_id"]) != render.pci_sort_key(have["bus_id"]):
                 problems.append(f"declared bus id {want['pci_bus_id']} is not present")
     return problems
+
+
+def roofline_tps(plan: HostPlan) -> float | None:
+    """Decode ceiling: the weights each GPU reads per token over its memory bandwidth (layer
+    mode reads the cards one after the other, tensor mode at once); None on a CPU rig or an
+    unknown card."""
+    if not plan.memory or not plan.used_gpus:
+        return None
+    seconds = []
+    for gpu, device in zip(plan.used_gpus, plan.memory.devices, strict=False):
+        bandwidth = memory_bandwidth_gbs(gpu["name"])
+        if not bandwidth:
+            return None
+        seconds.append(device.weights_mib * (1 << 20) / (bandwidth * 1e9))
+    mode = plan.resolved["server"]["split_mode"]
+    per_token = max(seconds) if mode == "tensor" else sum(seconds)
+    return 1 / per_token if per_token else None
 
 
 def trained_context_problem(server: dict, header: GgufHeader) -> str | None:

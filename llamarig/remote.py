@@ -22,7 +22,8 @@ from llamarig.facts import (
 )
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
 from llamarig.hostpaths import HUB_TOKEN_HEADER_PATH, OVERHEADS_DIR
-from llamarig.model import header_cache, header_record
+from llamarig.model import header as model_header
+from llamarig.model import header_record
 from llamarig.model.files import ModelFile, model_files
 from llamarig.model.header import (
     HOST_HEADER_FIRST_READ,
@@ -330,8 +331,8 @@ def host_url_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError |
 def host_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:
     """The GGUF header of a model file on the host, the error reading it, or None when the
     file is not there: kept on this machine by the file's sha256, else by its path and
-    identity (``llamarig.model.header_cache``); else read over the connection."""
-    key = file.sha256 or header_cache.identity_key(file.dest, reader(FileIdentity, path=file.dest))
+    identity (``llamarig.model.header``); else read over the connection."""
+    key = file.sha256 or model_header.identity_key(file.dest, reader(FileIdentity, path=file.dest))
     return _kept_or_read(key, file.dest, lambda size: reader(FileHead, path=file.dest, size=size))
 
 
@@ -341,7 +342,7 @@ def _kept_or_read(
     """The header kept on this machine under ``key``, else the one in the first bytes that
     ``read(size)`` gives (a small read first, the rest only for a large header), kept; the
     error reading it, or None when ``read`` gives nothing."""
-    kept = header_cache.cached(key, name=name)
+    kept = model_header.cached(key, name=name)
     if kept is not None:
         return kept
     header: GgufHeader | GgufError | None = None
@@ -357,5 +358,5 @@ def _kept_or_read(
             if len(head) < size:  # the whole file was read
                 break
     if isinstance(header, GgufHeader):
-        header_cache.keep(key, head, header)
+        model_header.keep(key, head, header)
     return header

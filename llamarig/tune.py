@@ -31,10 +31,9 @@ import yaml
 from llamarig import hostpaths, render, throughput
 from llamarig.config import HostConfig
 from llamarig.config.inventory import load_inventory, tuned_path
-from llamarig.hardware import memory_bandwidth_gbs
-from llamarig.model.reference import HubError
 from llamarig.model.lock import resolved
-from llamarig.plan import HostPlan, plan_host
+from llamarig.model.reference import HubError
+from llamarig.plan import HostPlan, plan_host, roofline_tps
 from llamarig.remote import plan_for, run_on_host, shell_reader
 
 UBATCH_SIZES = (256, 512, 1024)
@@ -198,23 +197,6 @@ def bench_speeds(output: str) -> tuple[float, float, float]:
     if not decode or not prompt:
         raise ValueError("llama-bench printed no decode and prompt results")
     return float(decode[0]["avg_ts"]), float(decode[0]["stddev_ts"]), float(prompt[0]["avg_ts"])
-
-
-def roofline_tps(plan: HostPlan) -> float | None:
-    """Decode ceiling: the weights each GPU reads per token over its memory bandwidth (layer
-    mode reads the cards one after the other, tensor mode at once); None on a CPU rig or an
-    unknown card."""
-    if not plan.memory or not plan.used_gpus:
-        return None
-    seconds = []
-    for gpu, device in zip(plan.used_gpus, plan.memory.devices, strict=False):
-        bandwidth = memory_bandwidth_gbs(gpu["name"])
-        if not bandwidth:
-            return None
-        seconds.append(device.weights_mib * (1 << 20) / (bandwidth * 1e9))
-    mode = plan.resolved["server"]["split_mode"]
-    per_token = max(seconds) if mode == "tensor" else sum(seconds)
-    return 1 / per_token if per_token else None
 
 
 @dataclass

@@ -161,7 +161,7 @@ def home(tmp_path, monkeypatch) -> Path:
     directory = tmp_path / "home"
     directory.mkdir()
     monkeypatch.setenv("HOME", str(directory))
-    # The GGUF header cache under it too (llamarig.model.header_cache), empty for each test.
+    # The GGUF header cache under it too (llamarig.model.header), empty for each test.
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.delenv("LLAMARIG_HEADER_CACHE", raising=False)
     return directory

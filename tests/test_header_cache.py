@@ -1,4 +1,4 @@
-"""The GGUF header cache (`llamarig.model.header_cache`): a model's header is read from its host or
+"""The GGUF header cache (`llamarig.model.header`): a model's header is read from its host or
 its URL once per sha256, then from this machine; the host read starts small. The readers here
 are the real facts' process() over the file's real bytes, counted; the URL is the loopback Hub
 stand-in (tests/hubstandin.py)."""
@@ -14,7 +14,7 @@ import pytest
 
 from llamarig.facts import FileHead, FileIdentity
 from llamarig.gguf_header import read_gguf_header_file
-from llamarig.model import header_cache
+from llamarig.model import header as model_header
 from llamarig.model.files import ModelFile
 from llamarig.model.header import HOST_HEADER_FIRST_READ, HOST_HEADER_READ, fetch_header
 from llamarig.remote import host_header
@@ -71,7 +71,7 @@ def test_the_first_host_read_is_small_and_the_next_plan_reads_nothing(small):
     assert first == read_gguf_header_file(small)
     assert host_header(host, file) == read_gguf_header_file(small)
     assert host.reads == [HOST_HEADER_FIRST_READ], "the second plan came from the cache"
-    kept = header_cache.directory() / f"{file.sha256}.gguf-header"
+    kept = model_header.directory() / f"{file.sha256}.gguf-header"
     assert kept.stat().st_size == read_gguf_header_file(small).data_offset
 
 
@@ -104,7 +104,7 @@ def test_a_missing_file_is_not_kept(tmp_path):
 
 def test_a_damaged_entry_is_passed_by_and_replaced(small):
     digest = sha256_of(small)
-    entry = header_cache.directory() / f"{digest}.gguf-header"
+    entry = model_header.directory() / f"{digest}.gguf-header"
     entry.parent.mkdir(parents=True)
     entry.write_bytes(small.read_bytes()[:100])  # cut short
     host = CountingHost()
@@ -126,9 +126,9 @@ def test_a_cache_that_cannot_be_written_only_costs_the_reads(small, tmp_path, mo
 
 @pytest.mark.parametrize("key", [None, "", "A" * 64, "../" + "a" * 61, "a" * 63])
 def test_only_a_sha256_names_an_entry(small, key):
-    header_cache.keep(key, small.read_bytes(), read_gguf_header_file(small))
-    assert header_cache.cached(key) is None
-    assert not header_cache.directory().exists()
+    model_header.keep(key, small.read_bytes(), read_gguf_header_file(small))
+    assert model_header.cached(key) is None
+    assert not model_header.directory().exists()
 
 
 def test_the_url_header_is_fetched_once_per_sha256(small):

@@ -17,7 +17,7 @@ from llamarig.config import ConfigError, load_inventory
 from llamarig.config.inventory import tuned_path
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.hardware import memory_bandwidth_gbs
-from llamarig.plan import plan_host
+from llamarig.plan import plan_host, roofline_tps
 from llamarig.tune import (
     CUT_AFTER,
     CUT_FLOOR_SECONDS,
@@ -35,7 +35,6 @@ from llamarig.tune import (
     draft_sweep,
     draft_winner,
     planned_candidate,
-    roofline_tps,
     sweep,
     winner,
     write_tuned,
