@@ -24,10 +24,16 @@ from llamarig.hostjob import JobCommand
 from llamarig.hostpaths import ATOMIC_SUFFIX
 from llamarig.model import hub
 from llamarig.model import lock as model_lock
-from llamarig.model.files import ModelFile, model_files
+from llamarig.model.files import (
+    ModelFile,
+    model_files,
+    shard_names,
+    sibling_paths,
+    sibling_urls,
+    split_parts,
+)
 from llamarig.model.header import load_header
 from llamarig.model.reference import HubError
-from llamarig.model.shards import shard_names, sibling_paths, sibling_urls, split_parts
 from llamarig.plan import plan_host
 from tests import hubstandin
 from tests.ggufmodels import split_gguf, write_llama

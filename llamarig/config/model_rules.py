@@ -5,10 +5,15 @@ shell syntax, and a split model named by its first shard with one sha256 per sha
 from __future__ import annotations
 
 from llamarig.config.problems import Problem
-from llamarig.model.files import model_filename, model_source_name
+from llamarig.model.files import (
+    model_filename,
+    model_source_name,
+    numbering_problem,
+    shard_names,
+    split_parts,
+)
 from llamarig.model.reference import KEYS as HF_KEYS
 from llamarig.model.reference import HubError, read_token, validated
-from llamarig.model.shards import numbering_problem, shard_names, split_parts
 
 SOURCES = ("url", "path", "hf")
 

@@ -28,9 +28,8 @@ import urllib.request
 from pathlib import Path
 
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
-from llamarig.model.files import shard_digests
+from llamarig.model.files import shard_digests, sibling_paths, sibling_urls
 from llamarig.model.reference import HubError, read_token
-from llamarig.model.shards import sibling_paths, sibling_urls
 
 HEADER_FIRST_READ = 8 << 20
 HEADER_MAX_READ = 256 << 20

@@ -53,6 +53,7 @@ from huggingface_hub.errors import (
 from huggingface_hub.utils import set_client_factory
 from huggingface_hub.utils._http import default_client_factory
 
+from llamarig.model.files import sibling_paths, split_parts
 from llamarig.model.reference import (
     HubError,
     Reference,
@@ -61,7 +62,6 @@ from llamarig.model.reference import (
     read_token,
     validated,
 )
-from llamarig.model.shards import sibling_paths, split_parts
 
 # Seconds any request to the Hub may wait for an answer. huggingface_hub's own client has no
 # timeout for the listing and paths-info calls (only model_info and the HEAD take one), so its

@@ -25,7 +25,7 @@ from llamarig.config.paths import inventory_path
 from llamarig.config.problems import ConfigError
 from llamarig.gguf_header import GgufError, GgufHeader
 from llamarig.model import header_record
-from llamarig.model.files import ModelFile
+from llamarig.model.files import ModelFile, sibling_paths
 from llamarig.model.reference import (
     DEFAULT_ENDPOINT,
     DEFAULT_REVISION,
@@ -33,7 +33,6 @@ from llamarig.model.reference import (
     quant_pattern,
     validated,
 )
-from llamarig.model.shards import sibling_paths
 
 LOCK_NAME = "models.lock.yml"
 UPDATE_ENV = "LLAMARIG_UPDATE_MODELS"
