@@ -371,42 +371,15 @@ def plan_host(
     measured_overheads: dict | None = None,
     header_declared: str = "",
 ) -> HostPlan:
-    """Plan one host. ``probed_gpus`` (nvidia-smi or PCI records) win over the declaration,
-    which is then checked against them."""
+    """Plan one host, in steps: the GPUs (``probed_gpus``, nvidia-smi or PCI records, win over
+    the declaration, which is then checked against them) and the toolkit for them; the split
+    mode and what the plan could not see; the role (an RPC worker or head, a CPU rig stop
+    there); then the devices the model is spread over and the memory plan on them."""
     resolved = copy.deepcopy(data)
     server = resolved["server"]
-    declared = data["gpus"]
-    errors: list[str] = []
-    warnings: list[str] = []
+    server["extra_args"], warnings = render.translate_renamed(server["extra_args"])
+    gpus, source, errors = _plan_gpus(resolved, probed_gpus, gpu_source)
     gpu = data["llama_cpp"]["backend"] == "cuda"
-    server["extra_args"], renamed = render.translate_renamed(server["extra_args"])
-    warnings += renamed
-
-    gpus = [
-        {
-            "name": d["name"],
-            "vram_mib": d["vram_mib"],
-            "compute_capability": d["compute_capability"],
-            "bus_id": d.get("pci_bus_id"),
-        }
-        for d in declared
-    ]
-    source = "declared" if declared else "none"
-    if probed_gpus:
-        if declared:
-            errors += compare_gpus(declared, probed_gpus, gpu_source)
-        else:
-            gpus, source = probed_gpus, gpu_source
-            resolved["gpus"] = [
-                {
-                    "name": g["name"],
-                    "vram_mib": g["vram_mib"],
-                    "compute_capability": g["compute_capability"],
-                    **({"pci_bus_id": g["bus_id"]} if g.get("bus_id") else {}),
-                }
-                for g in probed_gpus
-            ]
-
     architectures = None
     if gpu:
         if resolved["gpus"] or data["llama_cpp"]["cuda_architectures"] != "auto":
@@ -416,13 +389,57 @@ def plan_host(
             driver_version=driver_version,
             **chosen_versions(data),
         )
-
     plan = HostPlan(name, resolved, gpus, source, architectures, None, errors, warnings)
     if header_declared:
         plan.notes.append(
             f"the model's header is declared, not read: {header_declared}; the first deploy "
             "that reads the file checks it"
         )
+    _plan_split_and_blind_spots(plan, data, header, header_note)
+    if not _plans_memory(plan, data, header, header_note):
+        return plan
+    _plan_memory(plan, data, header, measured_overheads)
+    return plan
+
+
+def _plan_gpus(
+    resolved: dict, probed_gpus: list[dict] | None, gpu_source: str
+) -> tuple[list[dict], str, list[str]]:
+    """The GPUs to plan for, where they come from, and how the declaration differs from the
+    probed ones; undeclared probed GPUs become ``resolved["gpus"]``."""
+    declared = resolved["gpus"]
+    gpus = [
+        {
+            "name": d["name"],
+            "vram_mib": d["vram_mib"],
+            "compute_capability": d["compute_capability"],
+            "bus_id": d.get("pci_bus_id"),
+        }
+        for d in declared
+    ]
+    if not probed_gpus:
+        return gpus, "declared" if declared else "none", []
+    if declared:
+        return gpus, "declared", compare_gpus(declared, probed_gpus, gpu_source)
+    resolved["gpus"] = [
+        {
+            "name": g["name"],
+            "vram_mib": g["vram_mib"],
+            "compute_capability": g["compute_capability"],
+            **({"pci_bus_id": g["bus_id"]} if g.get("bus_id") else {}),
+        }
+        for g in probed_gpus
+    ]
+    return probed_gpus, gpu_source, []
+
+
+def _plan_split_and_blind_spots(
+    plan: HostPlan, data: dict, header: GgufHeader | None, header_note: str
+) -> None:
+    """The split mode, what a plan without the model's header cannot see, and the context
+    against the model's trained one."""
+    server, gpus = plan.resolved["server"], plan.gpus
+    gpu = data["llama_cpp"]["backend"] == "cuda"
     shares = server["tensor_split"]
     n_gpus = sum(1 for share in shares if share) if isinstance(shares, list) else len(gpus)
     server["split_mode"], plan.split_mode_reason = choose_split_mode(
@@ -439,7 +456,15 @@ def plan_host(
     if header is not None and data["role"] != "rpc-worker":
         problem = trained_context_problem(server, header)
         if problem:
-            (warnings if server["allow_ctx_beyond_trained"] else errors).append(problem)
+            (plan.warnings if server["allow_ctx_beyond_trained"] else plan.errors).append(problem)
+
+
+def _plans_memory(plan: HostPlan, data: dict, header: GgufHeader | None, header_note: str) -> bool:
+    """Whether this host's GPU memory is planned: not on an RPC worker (its head plans the
+    model), a head whose workers' GPUs are unknown, a CPU rig, or without the GPUs or the
+    header; the notes, warnings and errors that say so."""
+    server = plan.resolved["server"]
+    gpu = data["llama_cpp"]["backend"] == "cuda"
     wants_auto = "auto" in (server["ctx"], server["tensor_split"])
     if data["role"] == "rpc-worker":
         rpc = data["rpc"]
@@ -447,11 +472,10 @@ def plan_host(
             f"rpc-worker: lends its devices to a head on {rpc['host']}:{rpc['port']}; the head "
             "plans the model"
         )
-        return plan
-    worker_gpus = data["rpc"].get("worker_gpus") or [] if data["role"] == "rpc-head" else []
+        return False
     if data["role"] == "rpc-head":
         workers = data["rpc"].get("endpoints") or data["rpc"]["workers"]
-        planned_across = gpu and worker_gpus
+        planned_across = gpu and data["rpc"].get("worker_gpus")
         plan.notes.append(
             f"rpc-head with workers {', '.join(workers)}: "
             "layers on the workers exchange activations over the network at every host boundary "
@@ -463,17 +487,29 @@ def plan_host(
             )
         )
         if not planned_across:
-            return plan
+            return False
     if not gpu:
         if wants_auto:
-            errors.append("ctx/tensor_split `auto` plan GPU memory; a cpu rig needs numbers")
+            plan.errors.append("ctx/tensor_split `auto` plan GPU memory; a cpu rig needs numbers")
         plan.notes.append("cpu build: no GPU memory to plan")
-        return plan
-    if not gpus or header is None:
-        missing = "the GPUs (declare `gpus` or pass --probe)" if not gpus else header_note
-        (errors if wants_auto else warnings).append(f"memory not planned: {missing}")
-        return plan
+        return False
+    if not plan.gpus or header is None:
+        missing = "the GPUs (declare `gpus` or pass --probe)" if not plan.gpus else header_note
+        (plan.errors if wants_auto else plan.warnings).append(f"memory not planned: {missing}")
+        return False
+    return True
 
+
+def _plan_memory(
+    plan: HostPlan, data: dict, header: GgufHeader, measured_overheads: dict | None
+) -> None:
+    """The devices the model is spread over (an RPC head's workers' GPUs first, as llama.cpp
+    orders them; those with a zero share left out) and the memory plan on them, which sets
+    the context and the split; a tensor-mode split that does not fit falls back to layer mode
+    when the split mode was `auto`."""
+    resolved, gpus = plan.resolved, plan.gpus
+    server, declared = resolved["server"], data["gpus"]
+    worker_gpus = data["rpc"].get("worker_gpus") or [] if data["role"] == "rpc-head" else []
     limits = data["planner"]
     # llama.cpp puts RPC devices first: the workers' GPUs, in rpc.workers order, then ours.
     local_caps = [(declared[i].get("usable_mib") if declared else None) for i in range(len(gpus))]
@@ -526,8 +562,8 @@ def plan_host(
                     "tensor mode does not fit these GPUs' memory and layer mode does"
                 )
     except ValueError as error:
-        errors.append(str(error))
-        return plan
+        plan.errors.append(str(error))
+        return
     plan.memory = memory
     reserve, origin = reserve_mib(resolved, split_mode, len(devices), measured_overheads)
     plan.notes.append(f"reserve {reserve} MiB per GPU beyond llama.cpp's buffers: {origin}")
@@ -540,16 +576,15 @@ def plan_host(
             # Tensor mode without -ts splits evenly, which over-fills the smaller card.
             server["tensor_split"] = list(memory.ratio)
     if not memory.fits:
-        errors.append(
+        plan.errors.append(
             "the configuration does not fit in GPU memory (need = planned + margin):\n"
             + memory.table()
             + "".join(f"\n  would fit: {s}" for s in memory.suggestions)
         )
     if _mtp_draft(server) and header.nextn_predict_layers == 0:
-        errors.append(
+        plan.errors.append(
             "spec.type has draft-mtp but the model has no MTP layers "
             f"({header.architecture}.nextn_predict_layers is 0): llama-server exits at load"
         )
     if split_mode == "tensor":
         plan.notes.extend(TENSOR_MODE_LIMITS)
-    return plan
