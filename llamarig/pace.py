@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llamarig.hostpaths import CURL_AUTH
@@ -163,3 +164,67 @@ class SideBySide:
             f"side: within {bound}, the host too busy to call it slower ({self.looks()}): it "
             "stays"
         )
+
+
+@dataclass
+class Versions:
+    """What `keep_pace` does to the host, as the serving operation gives it: measure the
+    version serving now (the best of RUNS completions, or ``best`` when higher; None when a
+    reply had no timings), stash the new version beside the last one, switch to one of them
+    (``"last"`` or ``"new"``: drain, switch, wait until it serves; False when it does not),
+    roll back to the last version, and say a line (``error`` for a refusal)."""
+
+    measure: Callable[[float], float | None]
+    stash_new: Callable[[], bool]
+    switch_to: Callable[[str], bool]
+    roll_back: Callable[[], None]
+    say: Callable[[str], None]
+    error: Callable[[str], None]
+
+
+def keep_pace(
+    versions: Versions, last: float | None, max_slowdown: float, service: str
+) -> float | None:
+    """The new version's decode speed if it keeps pace with the last version that served
+    (``last``: its recorded speed, None when there is none for this model), else None: it
+    was rolled back (or could not be measured), and said why.
+
+    A look slower than the record is looked at again; if still slower, the two versions are
+    measured in turns (SideBySide) and the verdict rests on those looks, not on the record."""
+    speed = versions.measure(0.0)
+    if speed is not None and slowdown(speed, last, max_slowdown):
+        speed = versions.measure(speed)  # a second look before a rollback
+    if speed is None:
+        return None
+    against_record = slowdown(speed, last, max_slowdown)
+    if against_record:
+        # The record may come from a quieter moment of the host: the two versions are measured
+        # in turns now, so the verdict rests on speeds measured side by side.
+        versions.say(
+            f"the new version {against_record}; measuring the last version that served again, "
+            f"side by side, in turns with the new one (up to {ROUNDS} looks at each)"
+        )
+        if not versions.stash_new():
+            return None
+        looks = SideBySide(max_slowdown, new=[speed])
+        while not looks.done():
+            for version, speeds in (("last", looks.last), ("new", looks.new)):
+                if not versions.switch_to(version):
+                    return None
+                look = versions.measure(0.0)
+                if look is None:
+                    versions.roll_back()
+                    return None
+                speeds.append(look)
+            versions.say(
+                f"look {len(looks.last)}: the last version decodes at {looks.last[-1]:.1f} "
+                f"tokens/s, the new one at {looks.new[-1]:.1f}"
+            )
+        if looks.refused():
+            versions.error(f"the new version of {service} {looks.verdict(last)}")
+            versions.roll_back()
+            return None
+        versions.say(f"the new version {looks.verdict(last)}")
+        speed = max(looks.new)
+    versions.say(f"decodes at {speed:.1f} tokens/s" + (f" (last good {last:.1f})" if last else ""))
+    return speed

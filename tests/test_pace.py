@@ -113,3 +113,76 @@ def test_a_refusal_needs_the_difference_beyond_max_slowdown_and_the_spread(new_b
     assert looks.kept() == (new_best >= 126.0)
     bound = 0.1 + pace.spread(looks.new) + pace.spread(looks.last)
     assert looks.refused() == refused == (new_best < 140.0 * (1 - bound))
+
+
+class FakeHost:
+    """The host `keep_pace` acts on, without one: the version serving now (``"new"`` at the
+    start) decodes at the next speed of its list; what was done is kept in order."""
+
+    def __init__(self, new: list[float | None], last: list[float | None]) -> None:
+        self.speeds = {"new": list(new), "last": list(last)}
+        self.serving = "new"
+        self.done: list[str] = []
+        self.said: list[str] = []
+        self.errors: list[str] = []
+
+    def versions(self) -> pace.Versions:
+        def measure(best: float) -> float | None:
+            self.done.append(f"measure {self.serving}")
+            speed = self.speeds[self.serving].pop(0)
+            return None if speed is None else max(best, speed)
+
+        def switch_to(version: str) -> bool:
+            self.done.append(f"switch to {version}")
+            self.serving = version
+            return True
+
+        def roll_back() -> None:
+            self.done.append("roll back")
+            self.serving = "last"
+
+        return pace.Versions(
+            measure=measure,
+            stash_new=lambda: self.done.append("stash new") is None,
+            switch_to=switch_to,
+            roll_back=roll_back,
+            say=self.said.append,
+            error=self.errors.append,
+        )
+
+
+def test_a_version_as_fast_as_the_record_is_kept_after_one_look():
+    host = FakeHost(new=[101.0], last=[])
+    assert pace.keep_pace(host.versions(), 100.0, 0.1, "llama-server") == 101.0
+    assert host.done == ["measure new"] and not host.errors
+    assert host.said == ["decodes at 101.0 tokens/s (last good 100.0)"]
+
+
+def test_a_slow_look_is_looked_at_again_then_measured_in_turns_and_kept():
+    """Slower than a record from a quieter moment, as fast as the last version side by side."""
+    host = FakeHost(new=[60.0, 70.0, 71.0, 72.0], last=[72.0, 73.0])
+    assert pace.keep_pace(host.versions(), 100.0, 0.1, "llama-server") == 72.0
+    assert host.done == [
+        "measure new", "measure new", "stash new",
+        "switch to last", "measure last", "switch to new", "measure new",
+        "switch to last", "measure last", "switch to new", "measure new",
+    ]  # fmt: skip
+    assert "roll back" not in host.done and not host.errors
+    assert any("measuring the last version that served again" in line for line in host.said)
+    assert host.said[-1] == "decodes at 72.0 tokens/s (last good 100.0)"
+
+
+def test_a_version_slower_side_by_side_is_rolled_back_after_every_look():
+    host = FakeHost(new=[50.0, 50.0] + [50.0] * pace.ROUNDS, last=[100.0] * pace.ROUNDS)
+    assert pace.keep_pace(host.versions(), 100.0, 0.1, "llama-server") is None
+    assert host.done.count("measure last") == pace.ROUNDS and host.done[-1] == "roll back"
+    assert host.errors and host.errors[0].startswith("the new version of llama-server decodes")
+
+
+def test_a_look_without_timings_rolls_back():
+    host = FakeHost(new=[50.0, 50.0], last=[None])
+    assert pace.keep_pace(host.versions(), 100.0, 0.1, "llama-server") is None
+    assert host.done[-2:] == ["measure last", "roll back"]
+    first = FakeHost(new=[None], last=[])
+    assert pace.keep_pace(first.versions(), 100.0, 0.1, "llama-server") is None
+    assert first.done == ["measure new"], "nothing switched for an unmeasured first look"

@@ -226,53 +226,32 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
         def keep_pace(state, host) -> bool:
             _, recorded = host.run_shell_command(StringCommand(f"cat {speed_file} 2>/dev/null"))
             last = pace.recorded_speed(recorded.stdout_lines, model)
-            speed = measure(host)
-            if speed is not None and pace.slowdown(speed, last, max_slowdown):
-                speed = measure(host, speed)  # a second look before a rollback
+            stored = {"last": last_good, "new": candidate}
+
+            def switch_to(version: str) -> bool:
+                drain(host, base_url, service, drain_timeout)
+                switch = _switch_to(service, unit, env_file, current, stored[version])
+                return logged(host, switch + f"\nserving || {{\n{roll_back}\n}}\n")
+
+            speed = pace.keep_pace(
+                pace.Versions(
+                    measure=lambda best: measure(host, best),
+                    stash_new=lambda: logged(
+                        host, _keep_version(unit, env_file, current, candidate) + " || exit 1\n"
+                    ),
+                    switch_to=switch_to,
+                    roll_back=lambda: logged(host, roll_back),
+                    say=lambda line: host.log(f"llamarig: {line}"),
+                    error=lambda line: host.log_styled(
+                        f"llamarig: {line}", fg="red", log_func=logger.error
+                    ),
+                ),
+                last,
+                max_slowdown,
+                service,
+            )
             if speed is None:
                 return False
-            against_record = pace.slowdown(speed, last, max_slowdown)
-            if against_record:
-                # The record may come from a quieter moment of the host: the two versions are
-                # measured in turns now, so the verdict rests on speeds measured side by side.
-                host.log(
-                    f"llamarig: the new version {against_record}; measuring the last version "
-                    f"that served again, side by side, in turns with the new one (up to "
-                    f"{pace.ROUNDS} looks at each)"
-                )
-                stash = _keep_version(unit, env_file, current, candidate) + " || exit 1\n"
-                if not logged(host, stash):
-                    return False
-                looks = pace.SideBySide(max_slowdown, new=[speed])
-                while not looks.done():
-                    for version, speeds in ((last_good, looks.last), (candidate, looks.new)):
-                        drain(host, base_url, service, drain_timeout)
-                        switch = _switch_to(service, unit, env_file, current, version)
-                        if not logged(host, switch + f"\nserving || {{\n{roll_back}\n}}\n"):
-                            return False
-                        look = measure(host)
-                        if look is None:
-                            logged(host, roll_back)
-                            return False
-                        speeds.append(look)
-                    host.log(
-                        f"llamarig: look {len(looks.last)}: the last version decodes at "
-                        f"{looks.last[-1]:.1f} tokens/s, the new one at {looks.new[-1]:.1f}"
-                    )
-                if looks.refused():
-                    host.log_styled(
-                        f"llamarig: the new version of {service} {looks.verdict(last)}",
-                        fg="red",
-                        log_func=logger.error,
-                    )
-                    logged(host, roll_back)
-                    return False
-                host.log(f"llamarig: the new version {looks.verdict(last)}")
-                speed = max(looks.new)
-            host.log(
-                f"llamarig: decodes at {speed:.1f} tokens/s"
-                + (f" (last good {last:.1f})" if last else "")
-            )
             record = f"mkdir -p {q_good} && printf '%.1f\\n%s\\n' {speed} {shlex.quote(model)}"
             host.run_shell_command(StringCommand(f"{record} > {speed_file}.new"))
             return True
