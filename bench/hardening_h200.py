@@ -78,14 +78,12 @@ def prepare_root() -> dict:
     """The root of bench/systemd_h200.py, without its sshd (the unit needs none): the driver's
     and toolkit's libraries in ld.so's path."""
     entry: dict = {}
-    if not (box.ROOT_DIR / "lib/systemd/systemd").exists():
-        entry["root"] = box.unpack_root()
-    (box.ROOT_DIR / "etc/ld.so.conf.d/llamarig-gpu.conf").write_text(
-        "/usr/local/nvidia/lib64\n/usr/local/cuda/lib64\n"
-    )
-    (box.ROOT_DIR / "etc/hostname").write_text("h200-hardening\n")
+    if not box.BOX.unpacked():
+        entry["root"] = box.BOX.unpack(box.ROOT_PARTS_DIRS, box.ROOT_ARCHIVE)
+    box.BOX.library_paths()
+    (box.BOX.root_dir / "etc/hostname").write_text("h200-hardening\n")
     for unit in ("ssh.service", "ssh.socket"):
-        masked = box.ROOT_DIR / "etc/systemd/system" / unit
+        masked = box.BOX.root_dir / "etc/systemd/system" / unit
         if not masked.is_symlink():
             masked.symlink_to("/dev/null")
     return entry
@@ -97,7 +95,7 @@ def build(data: dict) -> dict:
     paths = render.layout(data)
     commit = data["llama_cpp"]["commit"]
     binary = f"{paths['current']}/bin/llama-server"
-    if box.in_container(f"test -x {binary}", check_rc=False).returncode == 0:
+    if box.BOX.run(f"test -x {binary}", check_rc=False).returncode == 0:
         return {"seconds": 0, "commit": commit, "note": f"{binary} kept from an earlier run"}
     script = " && ".join(
         [
@@ -111,7 +109,7 @@ def build(data: dict) -> dict:
         ]
     )
     start = time.monotonic()
-    done = box.in_container(f"({script}) 2>&1", check_rc=False, timeout=900)
+    done = box.BOX.run(f"({script}) 2>&1", check_rc=False, timeout=900)
     seconds = round(time.monotonic() - start, 1)
     (LOGS / "build.log").write_text(f"$ {script}\n{done.stdout}{done.stderr}")
     if done.returncode:
@@ -147,7 +145,7 @@ def unit_text(data: dict, name: str, extra: list[str]) -> str:
 
 
 def journal_cursor() -> str:
-    shown = box.in_container("journalctl -n 1 --show-cursor --no-pager", check_rc=False).stdout
+    shown = box.BOX.run("journalctl -n 1 --show-cursor --no-pager", check_rc=False).stdout
     found = re.search(r"-- cursor: (\S+)", shown)
     return found.group(1) if found else ""
 
@@ -155,7 +153,7 @@ def journal_cursor() -> str:
 def journal_since(cursor: str) -> str:
     after = f"--after-cursor='{cursor}' " if cursor else ""
     command = f"journalctl {after}-u {UNIT} -o short-monotonic --no-pager"
-    return box.in_container(command, check_rc=False).stdout
+    return box.BOX.run(command, check_rc=False).stdout
 
 
 def serve(base: str) -> tuple[bool, float, str]:
@@ -168,7 +166,7 @@ def serve(base: str) -> tuple[bool, float, str]:
                     return True, round(time.monotonic() - start, 1), "healthy"
         except OSError:
             pass
-        state = box.in_container(f"systemctl is-active {UNIT}", check_rc=False).stdout.strip()
+        state = box.BOX.run(f"systemctl is-active {UNIT}", check_rc=False).stdout.strip()
         if state not in ("active", "activating", "reloading"):
             return False, round(time.monotonic() - start, 1), f"unit {state}"
         time.sleep(0.5)
@@ -202,7 +200,7 @@ def gpu_processes() -> list[dict]:
 
 
 def process_facts(pid: int) -> dict:
-    status = box.in_container(
+    status = box.BOX.run(
         f"grep -E '^(Uid|CapEff|NoNewPrivs|Seccomp|Seccomp_filters):' /proc/{pid}/status",
         check_rc=False,
     ).stdout
@@ -210,7 +208,7 @@ def process_facts(pid: int) -> dict:
         line.split(":", 1)[0]: " ".join(line.split(":", 1)[1].split())
         for line in status.splitlines()
     }
-    uid_map = box.in_container(f"cat /proc/{pid}/uid_map", check_rc=False).stdout
+    uid_map = box.BOX.run(f"cat /proc/{pid}/uid_map", check_rc=False).stdout
     facts["uid_map"] = [" ".join(line.split()) for line in uid_map.splitlines()]
     return facts
 
@@ -230,7 +228,7 @@ def decode(base: str) -> dict:
 
 def exposure(name: str) -> tuple[float | None, list[str]]:
     """`systemd-analyze security`'s overall number and the items it counts against the unit."""
-    shown = box.in_container(f"systemd-analyze security {UNIT} --no-pager", check_rc=False)
+    shown = box.BOX.run(f"systemd-analyze security {UNIT} --no-pager", check_rc=False)
     text = shown.stdout + shown.stderr
     (LOGS / f"security-{name}.txt").write_text(text)
     found = EXPOSURE.search(text)
@@ -246,16 +244,16 @@ def exposure(name: str) -> tuple[float | None, list[str]]:
 def run_variant(data: dict, base: str, name: str, extra: list[str]) -> dict:
     log(f"variant {name}: {extra or 'today'}")
     entry: dict = {"variant": name, "extra": extra}
-    box.in_container(f"systemctl stop {UNIT}; systemctl reset-failed {UNIT}", check_rc=False)
+    box.BOX.run(f"systemctl stop {UNIT}; systemctl reset-failed {UNIT}", check_rc=False)
     bench.wait_gpus_idle()
     text = unit_text(data, name, extra)
-    Path(f"{box.ROOT_DIR}{UNIT_PATH}").write_text(text)
+    Path(f"{box.BOX.root_dir}{UNIT_PATH}").write_text(text)
     (LOGS / f"unit-{name}.service").write_text(text)
-    box.in_container("systemctl daemon-reload")
+    box.BOX.run("systemctl daemon-reload")
     entry["exposure"], failing = exposure(name)
     entry["security_failing"] = failing
     cursor = journal_cursor()
-    started = box.in_container(f"systemctl start {UNIT}", check_rc=False)
+    started = box.BOX.run(f"systemctl start {UNIT}", check_rc=False)
     entry["start_rc"] = started.returncode
     ok, seconds, how = serve(base)
     entry.update(serves=ok, serve_seconds=seconds, serve_result=how)
@@ -278,14 +276,14 @@ def run_variant(data: dict, base: str, name: str, extra: list[str]) -> dict:
     entry["evidence"] = found.group(0) if found else None
     entry["on_gpu"] = bool(ok and found and entry.get("gpu_mib"))
     if not ok:
-        entry["unit_state"] = box.in_container(
+        entry["unit_state"] = box.BOX.run(
             f"systemctl show -p Result -p ExecMainStatus -p ExecMainCode {UNIT}", check_rc=False
         ).stdout.split()
         entry["journal_errors"] = [
             line for line in journal.splitlines() if ERROR_WORDS.search(line)
         ][:20]
         entry["journal_tail"] = journal.splitlines()[-25:]
-    box.in_container(f"systemctl stop {UNIT}", check_rc=False)
+    box.BOX.run(f"systemctl stop {UNIT}", check_rc=False)
     results["variants"].append(entry)
     save()
     log(
@@ -310,12 +308,12 @@ def main() -> int:
     model_written = bench.write_model_beside("llama-8b", MODEL)
     start = time.monotonic()
     results["root"] = prepare_root()
-    results["root"]["boot_seconds"] = box.boot()
+    results["root"]["boot_seconds"] = box.BOX.boot(box.ROOT_ARCHIVE, LOGS / "boot.log")
     results["root"]["prepare_seconds"] = round(time.monotonic() - start, 1)
     results["container"] = {
-        "systemd": box.in_container("systemctl --version | head -1").stdout.strip(),
-        "state": box.in_container("systemctl is-system-running", check_rc=False).stdout.strip(),
-        "os": box.in_container(". /etc/os-release; echo $PRETTY_NAME").stdout.strip(),
+        "systemd": box.BOX.run("systemctl --version | head -1").stdout.strip(),
+        "state": box.BOX.run("systemctl is-system-running", check_rc=False).stdout.strip(),
+        "os": box.BOX.run(". /etc/os-release; echo $PRETTY_NAME").stdout.strip(),
     }
     save()
     log(f"container up: {results['container']}")

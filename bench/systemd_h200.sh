@@ -1,8 +1,8 @@
 #!/bin/bash
-# Issue 16, one command on the one-H200 machine: boot a Debian root with systemd and sshd as
-# PID 1 of a container (bench/systemd-root.sh, GUIDE §8) and run the real deploy into it over
-# SSH, with the hardened unit, verify, a restart, a rollback, decode speeds and memory
-# (bench/systemd_h200.py says what and in which order).
+# Issue 16's measurements, one command on the one-H200 machine: boot a Debian root with systemd
+# and sshd as PID 1 of a container (llamarig_sandbox/systemdroot.py, GUIDE §8), deploy into it
+# over SSH, then decode speeds through the unit, the launcher and llama-bench, and memory against
+# the plan (bench/systemd_h200.py says what). What must hold is bench/gpu_tests.sh's (tests/gpu).
 #
 # Carried with the tree (git-ignored here): .carry/systemd-root/root.tar.xz.part-* (the root,
 # bench/systemd-root-pack.sh; parts carried by an earlier call of the same lease wait in

@@ -3,7 +3,7 @@
 # the NVIDIA devices, the driver's libraries and the CUDA toolkit bound in. Seen working on the one-H200
 # machine (driver 580.159.04, kernel 6.18, cgroup2); see GUIDE §8 for what ran inside and what was seen.
 # A copy of shared/gpu/systemd-root.sh (which does not travel to the device machine), used by
-# bench/systemd_h200.py; a root already unpacked at ROOT_DIR is booted as it is.
+# llamarig_sandbox/systemdroot.py; a root already unpacked at ROOT_DIR is booted as it is.
 #
 #   bash systemd-root.sh ROOT.tar.xz [EXTRA_DIR ...]   # each EXTRA_DIR is bind-mounted at the same path
 #
