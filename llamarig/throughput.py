@@ -233,7 +233,7 @@ def sweep(
                 continue
             result = results[candidate] = LoadMeasured(candidate)
             key = f"load: {candidate.label}"
-            if key in saved:
+            if isinstance(saved.get(key), list):
                 result.tps, result.gap_p50_ms, result.gap_p95_ms = saved[key]
                 say(f"  {candidate.label}: {result.tps:.1f} t/s (measured before)")
             elif time.monotonic() > deadline:

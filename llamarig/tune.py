@@ -387,12 +387,26 @@ def sweep(
 
 
 def _saved(sweep_file: Path, identity: str) -> dict:
-    """What the sweep file holds for this build and model (empty for another)."""
-    if sweep_file.is_file():
+    """What the sweep file holds for this build and model (empty for another): each result
+    three numbers, or why a run was cut. The file is only a cache: one that cannot be read, or
+    an entry of another shape (a damaged or edited file), is measured afresh."""
+    try:
         document = json.loads(sweep_file.read_text())
-        if document.get("identity") == identity:
-            return document["results"]
-    return {}
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(document, dict) or document.get("identity") != identity:
+        return {}
+    results = document.get("results")
+    if not isinstance(results, dict):
+        return {}
+    return {key: value for key, value in results.items() if _result_shape(value)}
+
+
+def _result_shape(value: object) -> bool:
+    numbers = isinstance(value, list) and len(value) == 3
+    return isinstance(value, str) or (
+        numbers and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+    )
 
 
 def _save(sweep_file: Path, identity: str, saved: dict) -> None:
@@ -533,7 +547,7 @@ def draft_sweep(
         result = DraftMeasured(draft_max)
         results.append(result)
         label = f"{chosen.label}, draft_max {draft_max}"
-        if label in saved:
+        if isinstance(saved.get(label), list):
             result.tps, result.low, result.high = saved[label]
             say(f"  {label}: {result.tps:.1f} t/s served (measured before)")
             continue

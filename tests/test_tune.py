@@ -405,3 +405,25 @@ def test_the_tuned_draft_max_is_merged_under_the_hosts_spec(tmp_path):
     )
     write_tuned(tuned, "sandbox", chosen, "b, m", DraftMeasured(3, 61.5, 58.0, 64.0))
     assert load_inventory(inventory).hosts["sandbox"].data["server"]["spec"]["draft_max"] == 1
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["not json", "[1, 2]", '{"identity": "build x, model y", "results": [1]}',
+     '{"identity": "build x, model y", "results": {"none ub 512": [1, "a", 3], "x": null}}'],
+)  # fmt: skip
+def test_a_damaged_sweep_file_is_measured_afresh(cpu_plan, tmp_path, text):
+    """The sweep file is a cache: a damaged or edited one is no traceback."""
+    sweep_file = tmp_path / ".sandbox.sweep.json"
+    sweep_file.write_text(text)
+    commands = []
+
+    def run(command: str, timeout: float):
+        commands.append(command)
+        return 0, BENCH_JSON, ""
+
+    results = sweep(
+        cpu_plan, {"header": None}, run, 2, sweep_file, "build x, model y",
+        deadline=time.monotonic() + 600, say=lambda line: None,
+    )  # fmt: skip
+    assert len(commands) == len(results) and all(r.tps == 41.25 for r in results)
