@@ -396,7 +396,7 @@ def plan_host(
             "that reads the file checks it"
         )
     _plan_split_and_blind_spots(plan, data, header, header_note)
-    if not _plans_memory(plan, data, header, header_note):
+    if not _memory_is_planned(plan, data, header, header_note):
         return plan
     _plan_memory(plan, data, header, measured_overheads)
     return plan
@@ -459,7 +459,9 @@ def _plan_split_and_blind_spots(
             (plan.warnings if server["allow_ctx_beyond_trained"] else plan.errors).append(problem)
 
 
-def _plans_memory(plan: HostPlan, data: dict, header: GgufHeader | None, header_note: str) -> bool:
+def _memory_is_planned(
+    plan: HostPlan, data: dict, header: GgufHeader | None, header_note: str
+) -> bool:
     """Whether this host's GPU memory is planned: not on an RPC worker (its head plans the
     model), a head whose workers' GPUs are unknown, a CPU rig, or without the GPUs or the
     header; the notes, warnings and errors that say so."""

@@ -48,6 +48,10 @@ PROMPT_TEXT = (
 Run = Callable[[str, float], tuple[int, str, str]]
 
 
+# What a sweep says of a configuration its time bound left unmeasured (tune resumes there).
+TIME_BOUND_NOTE = "not measured (time bound; run tune again to resume)"
+
+
 @dataclass(frozen=True)
 class LoadCandidate:
     parallel: int
@@ -237,7 +241,7 @@ def sweep(
                 result.tps, result.gap_p50_ms, result.gap_p95_ms = saved[key]
                 say(f"  {candidate.label}: {result.tps:.1f} t/s (measured before)")
             elif time.monotonic() > deadline:
-                result.skipped = "not measured (time bound; run tune again to resume)"
+                result.skipped = TIME_BOUND_NOTE
                 continue
             else:
                 say(f"  {candidate.label}: {candidate.parallel} client(s) at once")

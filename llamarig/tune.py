@@ -353,7 +353,7 @@ def sweep(
             result.skipped = "does not fit: " + (trial.errors or ["memory"])[0].splitlines()[0]
             continue
         if time.monotonic() > deadline:
-            result.skipped = "not measured (time bound; run tune again to resume)"
+            result.skipped = throughput.TIME_BOUND_NOTE
             continue
         say(f"  {candidate.label}: measuring")
         cut = RUN_SECONDS if quickest is None else max(CUT_FLOOR_SECONDS, CUT_AFTER * quickest)
@@ -365,7 +365,7 @@ def sweep(
         seconds = time.monotonic() - started
         if status == TIMED_OUT:
             if remaining < cut:
-                result.skipped = "not measured (time bound; run tune again to resume)"
+                result.skipped = throughput.TIME_BOUND_NOTE
             elif quickest is None:
                 result.skipped = f"cut after {limit} s"
             else:
@@ -552,7 +552,7 @@ def draft_sweep(
             say(f"  {label}: {result.tps:.1f} t/s served (measured before)")
             continue
         if time.monotonic() > deadline:
-            result.skipped = "not measured (time bound; run tune again to resume)"
+            result.skipped = throughput.TIME_BOUND_NOTE
             continue
         say(f"  {label}: measuring through llama-server")
         try:
