@@ -10,10 +10,13 @@ tokens over the round's wall time (the median round); the gaps between tokens ar
 own timestamps (``timings_per_token``: ``predicted_ms`` grows with each token), so the network
 between here and the host is not in them.
 
-Stages, each from the best so far: ``parallel`` (1, 2, 4, ... up to what the context holds),
-then backend sampling (``-bs``) on or off, then a unified KV cache (``-kvu``) on or off. The
-bound on the p95 gap is ``tune.max_p95_ms``; null means P95_FACTOR times the median gap of one
-client alone (parallel 1, measured first).
+Stages, each from the best so far: ``parallel`` (1, 2, 4, ... up to what the context holds;
+where the rig sets ``server.spec.type``, each value with speculative decoding on and off, since
+drafting that wins one stream can lose under parallel load), then backend sampling (``-bs``) on
+or off, then a unified KV cache (``-kvu``) on or off, then the logical and physical batch sizes
+(``-b``/``-ub``, BATCH_PAIRS within the context). The bound on the p95 gap is
+``tune.max_p95_ms``; null means P95_FACTOR times the median gap of one client alone (parallel 1,
+measured first).
 """
 
 from __future__ import annotations
@@ -25,11 +28,16 @@ import shlex
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llamarig import hostpaths, render
 
 PARALLEL_VALUES = (1, 2, 4, 8, 16)
+# (batch, ubatch): many clients' prompts arrive at once, so a larger physical batch may pay.
+BATCH_PAIRS = ((2048, 256), (2048, 512), (2048, 1024), (4096, 1024), (4096, 2048))
+# How speculative decoding is turned off under load (a type list, as `server.spec.type`).
+SPEC_OFF = ["none"]
+STAGES = 4
 LOAD_TOKENS = 64
 PROMPT_WORDS = 60
 ROUNDS = 2
@@ -57,18 +65,32 @@ class LoadCandidate:
     parallel: int
     backend_sampling: bool
     kv_unified: bool
+    batch: int
+    ubatch: int
+    # The rig's speculative decoding on (True) or off (False); None: the rig sets none.
+    spec: bool | None = None
 
     @property
     def label(self) -> str:
+        spec = {True: "spec", False: "no spec", None: ""}[self.spec]
         flags = ("-bs" if self.backend_sampling else "", "-kvu" if self.kv_unified else "")
-        return " ".join(part for part in (f"parallel {self.parallel}", *flags) if part)
+        batches = f"-b {self.batch} -ub {self.ubatch}"
+        return " ".join(
+            part for part in (f"parallel {self.parallel}", spec, *flags, batches) if part
+        )
 
     def settings(self) -> dict:
-        return {
+        """The server settings of this candidate (``spec`` only where it turns drafting off)."""
+        settings = {
             "parallel": self.parallel,
             "backend_sampling": self.backend_sampling,
             "kv_unified": self.kv_unified,
+            "batch": self.batch,
+            "ubatch": self.ubatch,
         }
+        if self.spec is False:
+            settings["spec"] = {"type": SPEC_OFF}
+        return settings
 
 
 @dataclass
@@ -82,7 +104,15 @@ class LoadMeasured:
 
 def current(data: dict) -> LoadCandidate:
     server = data["server"]
-    return LoadCandidate(server["parallel"], server["backend_sampling"], server["kv_unified"])
+    drafting = server["spec"]["type"] not in ([], SPEC_OFF)
+    return LoadCandidate(
+        server["parallel"],
+        server["backend_sampling"],
+        server["kv_unified"],
+        server["batch"],
+        server["ubatch"],
+        True if drafting else None,
+    )
 
 
 def parallel_values(data: dict) -> list[int]:
@@ -91,9 +121,19 @@ def parallel_values(data: dict) -> list[int]:
     return sorted({1, *fitting, data["server"]["parallel"]})
 
 
+def batch_pairs(data: dict) -> list[tuple[int, int]]:
+    """The (batch, ubatch) pairs worth trying: a batch beyond the context is the context."""
+    server = data["server"]
+    fitting = [(b, u) for b, u in BATCH_PAIRS if b <= server["ctx"]]
+    return sorted({*fitting, (server["batch"], server["ubatch"])})
+
+
 def with_load_candidate(data: dict, candidate: LoadCandidate) -> dict:
     changed = copy.deepcopy(data)
-    changed["server"].update(candidate.settings())
+    settings = candidate.settings()
+    spec = settings.pop("spec", {})
+    changed["server"].update(settings)
+    changed["server"]["spec"] = {**changed["server"]["spec"], **spec}
     return changed
 
 
@@ -207,12 +247,14 @@ def winner(
 def stages(data: dict, best: LoadCandidate, stage: int) -> list[LoadCandidate]:
     """The candidates of one stage, from the best so far."""
     if stage == 0:
-        return [
-            LoadCandidate(p, best.backend_sampling, best.kv_unified) for p in parallel_values(data)
-        ]
+        drafting = (True, False) if best.spec is not None else (None,)
+        values = parallel_values(data)
+        return [replace(best, parallel=p, spec=s) for p in values for s in drafting]
     if stage == 1:
-        return [LoadCandidate(best.parallel, flag, best.kv_unified) for flag in (False, True)]
-    return [LoadCandidate(best.parallel, best.backend_sampling, flag) for flag in (False, True)]
+        return [replace(best, backend_sampling=flag) for flag in (False, True)]
+    if stage == 2:
+        return [replace(best, kv_unified=flag) for flag in (False, True)]
+    return [replace(best, batch=b, ubatch=u) for b, u in batch_pairs(data)]
 
 
 def sweep(
@@ -231,7 +273,7 @@ def sweep(
     planned = current(data)
     results: dict[LoadCandidate, LoadMeasured] = {}
     best, bound = planned, max_p95_ms
-    for stage in range(3):
+    for stage in range(STAGES):
         for candidate in stages(data, best, stage):
             if candidate in results:
                 continue
@@ -267,7 +309,7 @@ def table(results: list[LoadMeasured], chosen: LoadMeasured | None, bound: float
     lines = [
         f"served with as many clients as slots, {LOAD_TOKENS} tokens each, {ROUNDS} rounds; "
         f"p95 gap bound {bound:.1f} ms:",
-        f"{'configuration':<32}{'tokens/s':>10}{'gap p50 ms':>12}{'gap p95 ms':>12}  note",
+        f"{'configuration':<48}{'tokens/s':>10}{'gap p50 ms':>12}{'gap p95 ms':>12}  note",
     ]
     for result in results:
         if result.tps:
@@ -278,5 +320,5 @@ def table(results: list[LoadMeasured], chosen: LoadMeasured | None, bound: float
                 note = f"p95 gap over the bound ({result.gap_p95_ms:.2f} > {bound:.2f} ms)"
         else:
             numbers, note = f"{'-':>10}{'':>12}{'':>12}", result.skipped
-        lines.append(f"{result.candidate.label:<32}{numbers}  {note}")
+        lines.append(f"{result.candidate.label:<48}{numbers}  {note}")
     return "\n".join(lines)

@@ -672,7 +672,11 @@ def write_tuned_throughput(
     settings = {}
     if path.is_file():
         settings = (yaml.safe_load(path.read_text()) or {}).get("server") or {}
-    settings.update(chosen.candidate.settings())
+    load_settings = chosen.candidate.settings()
+    # Drafting on again (or never varied) drops an earlier "off"; a decode draft_max stays.
+    spec = {k: v for k, v in settings.pop("spec", {}).items() if k != "type"}
+    spec |= load_settings.pop("spec", {})
+    settings |= load_settings | ({"spec": spec} if spec else {})
     header = (
         f"# Written by `llamarig tune --for throughput` for {host} on "
         f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC:\n"
@@ -690,6 +694,12 @@ def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) ->
     tuned_file, sweep_file, identity, inventory = files
     data = temporary_server(plan.resolved)  # the clients load the temporary server
     start, stop = _starter(run)
+    tuned_server = (yaml.safe_load(tuned_file.read_text()) or {}) if tuned_file.is_file() else {}
+    if (tuned_server.get("server") or {}).get("spec", {}).get("type") == throughput.SPEC_OFF:
+        say(
+            f"{plan.host}: speculative decoding is off in {tuned_file} (an earlier tune for "
+            "throughput): delete server.spec.type there to weigh the rig's types again"
+        )
 
     def fitting_start(candidate_data: dict) -> int:
         trial = plan_host(plan.host, candidate_data, **inputs)
@@ -732,14 +742,27 @@ def overridden(inventory: Path, host: str, settings: dict) -> list[str]:
     file), each naming the file that sets it."""
     loaded = load_inventory(inventory).hosts[host]
     lines = []
-    for key, value in settings.items():
-        served = loaded.data["server"][key]
+    for path, value in _leaves(settings, ("server",)):
+        served = loaded.data
+        for key in path:
+            served = served[key]
         if served != value:
             lines.append(
-                f"{host}: server.{key} is {served!r} in {loaded.origins[('server', key)]}, which "
+                f"{host}: {'.'.join(path)} is {served!r} in {loaded.origins[path]}, which "
                 f"wins over the tuned {value!r}: remove it there to serve the tuned value"
             )
     return lines
+
+
+def _leaves(settings: dict, prefix: tuple) -> list[tuple[tuple, object]]:
+    """(key path, value) of every value of nested ``settings`` that is not a mapping."""
+    found = []
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            found += _leaves(value, (*prefix, key))
+        else:
+            found.append(((*prefix, key), value))
+    return found
 
 
 def tune_host(

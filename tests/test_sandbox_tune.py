@@ -137,14 +137,23 @@ def test_tune_for_throughput_adds_the_slots_the_next_deploy_serves(rig):
     print(result.stdout)
     # The context (2048) holds 1, 2 or 4 requests of the load; one client alone sets the bound.
     for label in ("parallel 1", "parallel 2", "parallel 4"):
-        assert f"  {label}: " in result.stdout, result.stdout
+        # Drafting (the rig's server.spec) weighed on and off at every slot count.
+        for drafting in ("spec", "no spec"):
+            assert f"  {label} {drafting} -b " in result.stdout, result.stdout
     assert "p95 gap bound" in result.stdout and "<- tuned" in result.stdout
     assert "failed" not in result.stdout, result.stdout
     tuned = yaml.safe_load(tuned_file.read_text())["server"]
     assert tuned["parallel"] in (1, 2, 4)
     assert isinstance(tuned["backend_sampling"], bool) and isinstance(tuned["kv_unified"], bool)
-    # What the decode tune wrote stays.
-    assert {k: tuned[k] for k in decode_settings} == decode_settings
+    # What the decode tune wrote stays, but for the batch sizes the load sweep measured too.
+    assert "-b 2048 -ub 1024: " in result.stdout and "-b 2048 -ub 256: " in result.stdout
+    kept = {k: v for k, v in decode_settings.items() if k not in ("batch", "ubatch", "spec")}
+    assert {k: tuned[k] for k in kept} == kept
+    assert tuned["spec"]["draft_max"] == decode_settings["spec"]["draft_max"]
+    if "type" in tuned["spec"]:  # drafting lost under load: the host's own types still win
+        assert tuned["spec"]["type"] == ["none"]
+        assert "server.spec.type is ['ngram-simple'] in " in result.stdout, result.stdout
+    assert tuned["ubatch"] in (256, 512, 1024) and tuned["batch"] == 2048
     assert "tune --for throughput" in tuned_file.read_text().splitlines()[0]
     assert in_sandbox(info, f"systemctl is-active {SERVICE}") == "active"
 
@@ -153,4 +162,5 @@ def test_tune_for_throughput_adds_the_slots_the_next_deploy_serves(rig):
     assert after[after.index("-np") + 1] == str(tuned["parallel"])
     assert ("-bs" in after) == tuned["backend_sampling"]
     assert ("-kvu" in after) == tuned["kv_unified"]
+    assert after[after.index("-ub") + 1] == str(tuned["ubatch"])
     assert changed_operations(sandboxes.converge(path)) == []

@@ -47,9 +47,12 @@ def test_a_short_or_missing_reply_is_an_error():
         throughput.parse_round(failed, 1)
 
 
-def simulated_rig(gap_per_slot_ms: float, backend_sampling_gain: float):
-    """start/stop/run of a rig where p clients get 100 * p ** 0.7 t/s (x the gain with -bs)
-    and a gap of gap_per_slot_ms * p; -kvu halves the aggregate."""
+def simulated_rig(
+    gap_per_slot_ms: float, backend_sampling_gain: float, ubatch_gain=None, spec=None
+):
+    """start/stop/run of a rig where p clients get 100 * p ** 0.7 t/s (x the gain with -bs, x
+    ``ubatch_gain[ubatch]``, x ``spec[p]`` with drafting on) and a gap of gap_per_slot_ms * p;
+    -kvu halves the aggregate."""
     started: list[dict] = []
 
     def start(data: dict) -> int:
@@ -62,16 +65,24 @@ def simulated_rig(gap_per_slot_ms: float, backend_sampling_gain: float):
         assert clients == server["parallel"]
         rate = 100 * clients**0.7 * (backend_sampling_gain if server["backend_sampling"] else 1)
         rate /= 2 if server["kv_unified"] else 1
+        rate *= (ubatch_gain or {}).get(server["ubatch"], 1)
+        if server["spec"]["type"] not in ([], ["none"]):
+            rate *= spec[clients]
         wall = clients * LOAD_TOKENS / rate
         return 0, round_output(clients, wall, gap_per_slot_ms * clients), ""
 
     return start, (lambda pid: None), run, started
 
 
-def rig_data(parallel: int = 1, ctx: int = 8192, max_p95_ms=None) -> dict:
+def rig_data(parallel: int = 1, ctx: int = 8192, max_p95_ms=None, spec_type=()) -> dict:
     server = {"parallel": parallel, "ctx": ctx, "backend_sampling": False, "kv_unified": False}
+    server |= {"batch": 2048, "ubatch": 512, "spec": {"type": list(spec_type), "draft_max": 3}}
     server |= {"host": "127.0.0.1", "port": 8080}
     return {"server": server, "tune": {"max_p95_ms": max_p95_ms}}
+
+
+def candidate(parallel, backend_sampling=False, kv_unified=False, ubatch=512, spec=None):
+    return LoadCandidate(parallel, backend_sampling, kv_unified, 2048, ubatch, spec)
 
 
 def sweep(data: dict, start, stop, run, saved=None):
@@ -87,16 +98,48 @@ def test_the_sweep_keeps_the_most_tokens_within_three_times_the_lone_gap():
     results, chosen, bound = sweep(rig_data(), start, stop, run)
     # One client alone: a 10 ms gap, so the bound is 30 ms: 2 slots (20 ms) pass, 4 do not.
     assert bound == 30
-    assert chosen.candidate == LoadCandidate(2, True, False)
+    assert chosen.candidate == candidate(2, backend_sampling=True)
     assert [s["parallel"] for s in started][:5] == [1, 2, 4, 8, 16]
     labels = [r.candidate.label for r in results]
     assert labels == [
-        "parallel 1", "parallel 2", "parallel 4", "parallel 8", "parallel 16",
-        "parallel 2 -bs", "parallel 2 -bs -kvu",
+        "parallel 1 -b 2048 -ub 512", "parallel 2 -b 2048 -ub 512", "parallel 4 -b 2048 -ub 512",
+        "parallel 8 -b 2048 -ub 512", "parallel 16 -b 2048 -ub 512",
+        "parallel 2 -bs -b 2048 -ub 512", "parallel 2 -bs -kvu -b 2048 -ub 512",
+        "parallel 2 -bs -b 2048 -ub 256", "parallel 2 -bs -b 2048 -ub 1024",
+        "parallel 2 -bs -b 4096 -ub 1024", "parallel 2 -bs -b 4096 -ub 2048",
     ]  # fmt: skip
     table = throughput.table(results, chosen, bound)
-    assert "parallel 2 -bs" in table and "<- tuned" in table
+    assert "parallel 2 -bs -b 2048 -ub 512" in table and "<- tuned" in table
     assert re.search(r"parallel 4 .* p95 gap over the bound \(\d+\.\d\d > 30\.00 ms\)", table)
+
+
+def test_the_physical_batch_that_serves_more_is_kept_within_the_context():
+    gains = {1024: 1.2, 2048: 1.1}
+    start, stop, run, started = simulated_rig(10, 1.0, ubatch_gain=gains)
+    results, chosen, _ = sweep(rig_data(parallel=2, ctx=2048), start, stop, run)
+    assert chosen.candidate == candidate(2, ubatch=1024)
+    # A batch beyond the 2,048-token context would be that context: not tried.
+    assert max(s["batch"] for s in started) == 2048
+    assert throughput.batch_pairs(rig_data(ctx=2048)) == [(2048, 256), (2048, 512), (2048, 1024)]
+
+
+def test_drafting_is_weighed_per_slot_count_and_turned_off_where_it_loses():
+    # Drafting wins one stream (x1.5) and loses with 2 clients (x0.7), as upstream reports.
+    spec = {1: 1.5, 2: 0.7, 4: 0.6, 8: 0.5, 16: 0.5}
+    start, stop, run, started = simulated_rig(10, 1.0, spec=spec)
+    data = rig_data(spec_type=["ngram-mod"])
+    results, chosen, bound = sweep(data, start, stop, run)
+    labels = [r.candidate.label for r in results][:4]
+    assert labels == [
+        "parallel 1 spec -b 2048 -ub 512", "parallel 1 no spec -b 2048 -ub 512",
+        "parallel 2 spec -b 2048 -ub 512", "parallel 2 no spec -b 2048 -ub 512",
+    ]  # fmt: skip
+    # The bound comes from one client as the rig serves it (drafting on): 30 ms.
+    assert bound == 30
+    assert chosen.candidate == candidate(2, spec=False)
+    assert chosen.candidate.settings()["spec"] == {"type": ["none"]}
+    served_off = [s for s in started if s["spec"]["type"] == ["none"]]
+    assert served_off and all(s["spec"]["draft_max"] == 3 for s in served_off)
 
 
 def test_a_context_too_small_for_many_slots_bounds_parallel_and_a_bound_can_be_set():
@@ -104,14 +147,14 @@ def test_a_context_too_small_for_many_slots_bounds_parallel_and_a_bound_can_be_s
     data = rig_data(parallel=2, ctx=2048, max_p95_ms=100)
     assert throughput.parallel_values(data) == [1, 2, 4]
     results, chosen, bound = sweep(data, start, stop, run)
-    assert bound == 100 and chosen.candidate == LoadCandidate(4, False, False)
+    assert bound == 100 and chosen.candidate == candidate(4)
 
 
 def test_equal_settings_keep_the_current_ones_and_a_resumed_sweep_measures_nothing():
     start, stop, run, started = simulated_rig(gap_per_slot_ms=10, backend_sampling_gain=1.02)
     saved: dict = {}
     _, chosen, _ = sweep(rig_data(parallel=2), start, stop, run, saved)
-    assert chosen.candidate == LoadCandidate(2, False, False)  # -bs: +2%, within 5%
+    assert chosen.candidate == candidate(2)  # -bs: +2%, within 5%
     count = len(started)
     _, again, _ = sweep(rig_data(parallel=2), start, stop, run, saved)
     assert len(started) == count and again.candidate == chosen.candidate

@@ -251,9 +251,13 @@ def test_the_tuned_file_is_merged_under_the_hosts_own_settings(tmp_path):
         ("server: [1, 2]\n", "server: is a list"),
         (
             "server: {spec: {draft_max: 2, type: [ngram-mod]}}\n",
-            "server.spec.type: is not a setting `llamarig tune` writes (of spec only draft_max)",
+            "server.spec.type: is ['ngram-mod']; tune writes only ['none'] (drafting off",
         ),
-        ("server: {spec: 3}\n", "server.spec: is an integer; a mapping of draft_max"),
+        (
+            "server: {spec: {draft_min: 2}}\n",
+            "server.spec.draft_min: is not a setting `llamarig tune` writes (of spec only",
+        ),
+        ("server: {spec: 3}\n", "server.spec: is an integer; a mapping of draft_max and type"),
         ("server: {spec: {draft_max: 0}}\n", "server.spec.draft_max"),
         ("model: {url: x}\n", "must hold `server:`"),
     ],
@@ -405,6 +409,36 @@ def test_the_tuned_draft_max_is_merged_under_the_hosts_spec(tmp_path):
     )
     write_tuned(tuned, "sandbox", chosen, "b, m", DraftMeasured(3, 61.5, 58.0, 64.0))
     assert load_inventory(inventory).hosts["sandbox"].data["server"]["spec"]["draft_max"] == 1
+
+
+def test_drafting_turned_off_for_load_keeps_the_decode_draft_length_and_comes_back(tmp_path):
+    from llamarig import render
+    from llamarig.throughput import LoadCandidate, LoadMeasured
+    from llamarig.tune import overridden, write_tuned_throughput
+
+    inventory, tuned = _sandbox_copy(tmp_path)
+    # The rig's types come from the group `all`, under the tuned file (a host's own would win).
+    group_vars = "all:\n  vars:\n    server: {spec: {type: [ngram-mod]}}\n"
+    inventory.write_text(inventory.read_text().replace("all:\n", group_vars, 1))
+    decode = Measured(Candidate("none", None, 256, 2), 41.2, 0.3, 900.0)
+    write_tuned(tuned, "sandbox", decode, "b, m", DraftMeasured(3, 61.5, 58.0, 64.0))
+    off = LoadMeasured(LoadCandidate(2, True, False, 2048, 1024, spec=False), 90.0, 20.0, 30.0)
+    write_tuned_throughput(tuned, "sandbox", off, 40.0, "b, m")
+    server = yaml.safe_load(tuned.read_text())["server"]
+    assert server["spec"] == {"draft_max": 3, "type": ["none"]}
+    assert (server["parallel"], server["batch"], server["ubatch"]) == (2, 2048, 1024)
+    host = load_inventory(inventory).hosts["sandbox"]
+    assert host.data["server"]["spec"]["type"] == ["none"]
+    argv = render.server_args(host.data | {"server": {**host.data["server"], "split_mode": "none"}})
+    assert argv[argv.index("--spec-type") + 1] == "none"
+    assert overridden(inventory, "sandbox", off.candidate.settings()) == []
+    # A later load sweep that keeps drafting on serves the rig's types again.
+    on = LoadMeasured(LoadCandidate(1, False, False, 2048, 512, spec=True), 50.0, 10.0, 12.0)
+    write_tuned_throughput(tuned, "sandbox", on, 40.0, "b, m")
+    assert yaml.safe_load(tuned.read_text())["server"]["spec"] == {"draft_max": 3}
+    assert load_inventory(inventory).hosts["sandbox"].data["server"]["spec"]["type"] == [
+        "ngram-mod"
+    ]
 
 
 @pytest.mark.parametrize(

@@ -48,6 +48,7 @@ TUNED_DIR = "tuned"
 TUNED_SERVER_KEYS = (
     "split_mode",
     "tensor_split",
+    "batch",
     "ubatch",
     "threads",
     "spec",
@@ -55,8 +56,10 @@ TUNED_SERVER_KEYS = (
     "backend_sampling",
     "kv_unified",
 )
-# Of `server.spec`, tune measures only the draft length; the types stay the user's choice.
-TUNED_SPEC_KEYS = ("draft_max",)
+# Of `server.spec`, tune measures the draft length, and `--for throughput` may turn drafting
+# off under load (type [none]); which types to draft with stays the user's choice.
+TUNED_SPEC_KEYS = ("draft_max", "type")
+TUNED_SPEC_TYPE = ["none"]
 
 
 def tuned_path(inventory: Path, host: str) -> Path:
@@ -92,11 +95,20 @@ def _tuned_settings(file: Path, problems: list[str]) -> dict:
         for key in [key for key in spec if key not in TUNED_SPEC_KEYS]:
             problems.append(
                 f"{file}: server.spec.{key}: is not a setting `llamarig tune` writes (of spec "
-                "only draft_max); set it in the inventory instead"
+                "only draft_max, and type [none]); set it in the inventory instead"
             )
             del spec[key]
+        if "type" in spec and spec["type"] != TUNED_SPEC_TYPE:
+            problems.append(
+                f"{file}: server.spec.type: is {spec['type']!r}; tune writes only "
+                f"{TUNED_SPEC_TYPE} (drafting off under load): set the types in the inventory "
+                "instead"
+            )
+            del spec["type"]
     elif "spec" in settings:
-        problems.append(f"{file}: server.spec: is {json_type(spec)}; a mapping of draft_max")
+        problems.append(
+            f"{file}: server.spec: is {json_type(spec)}; a mapping of draft_max and type"
+        )
         del settings["spec"]
     return {"server": settings}
 
