@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llamarig.hostpaths import CURL_AUTH
+from llamarig.model.catalog import is_router, model_views
 
 # Per-answer defaults (documented in group_data/all.yml and schema.json): a short answer is
 # all a check needs, and it keeps the check to about a second on a CPU rig.
@@ -35,10 +36,16 @@ class Answer:
     contains: str | None
     matches: str | None
     max_tokens: int
+    # A rig of several models: the model asked (a request's `model`) and its entry's index.
+    model: str | None = None
+    model_index: int = 0
 
     @property
     def name(self) -> str:
         """How a failure names it: its key path and its prompt."""
+        if self.model:
+            where = f"models[{self.model_index}].expect.answers[{self.index}] of {self.model}"
+            return f"{where} ({self.prompt!r})"
         return f"expect.answers[{self.index}] ({self.prompt!r})"
 
     @property
@@ -49,9 +56,16 @@ class Answer:
 
 
 def answers(data: dict) -> list[Answer]:
-    """The rig's answers, defaults applied; none for an RPC worker, which holds no model."""
+    """The rig's answers, defaults applied; none for an RPC worker, which holds no model. A
+    rig of several models: each model's own, asked of it by name."""
     if data["role"] == "rpc-worker":
         return []
+    if is_router(data):
+        return [
+            replace(answer, model=view.name, model_index=view.index)
+            for view in model_views(data)
+            for answer in answers(view.data)
+        ]
     return [
         Answer(
             index=index,
@@ -66,8 +80,10 @@ def answers(data: dict) -> list[Answer]:
 
 
 def request(answer: Answer) -> tuple[str, dict]:
-    """The API path and JSON body that ask the answer's question greedily."""
-    return greedy_request(answer.prompt, answer.chat, answer.max_tokens)
+    """The API path and JSON body that ask the answer's question greedily (of its model, on a
+    rig of several)."""
+    path, body = greedy_request(answer.prompt, answer.chat, answer.max_tokens)
+    return path, ({"model": answer.model, **body} if answer.model else body)
 
 
 def greedy_request(prompt: str, chat: bool, max_tokens: int) -> tuple[str, dict]:

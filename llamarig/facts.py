@@ -200,18 +200,37 @@ PROBE_MAX_S = 15
 PROBE_CURL = f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {PROBE_MAX_S}"
 
 
-def slot_counts_command(base_url: str) -> str:
+def slot_counts_command(base_url: str, models: tuple[str, ...] = ()) -> str:
     """Shell lines that set $total and $busy to the server's slots and those processing a
     request (llama-server's /slots, with the API key where one is set; 0 0 without an answer)
     and print them as `slots TOTAL BUSY`. Counted, not printed: a slot's state holds users'
-    prompts, and inside JSON strings a quote is escaped, so a prompt cannot fake the pattern."""
-    slots = shlex.quote(f"{base_url}/slots")
-    return (
-        f"slots=$({PROBE_CURL} -f {CURL_AUTH} -- {slots}) || slots=; "
-        'total=$(printf %s "$slots" | grep -o \'"is_processing":[a-z]*\' | wc -l); '
-        'busy=$(printf %s "$slots" | grep -o \'"is_processing":true\' | wc -l); '
-        'echo "slots $total $busy"'
+    prompts, and inside JSON strings a quote is escaped, so a prompt cannot fake the pattern.
+
+    ``models``: a router's model names; each loaded one's slots are counted (``autoload=false``:
+    asking never loads a model), and $probe is set to a 4-token completion body for the first
+    with an idle slot."""
+    count = (
+        'total=$((total + $(printf %s "$slots" | grep -o \'"is_processing":[a-z]*\' | wc -l))); '
+        'busy=$((busy + $(printf %s "$slots" | grep -o \'"is_processing":true\' | wc -l))); '
     )
+    if not models:
+        slots = shlex.quote(f"{base_url}/slots")
+        fetch = f"slots=$({PROBE_CURL} -f {CURL_AUTH} -- {slots}) || slots=; "
+        return f"total=0; busy=0; {fetch}{count}" + 'echo "slots $total $busy"'
+    lines = ["total=0; busy=0; probe=; "]
+    for name in models:
+        slots = shlex.quote(f"{base_url}/slots?model={name}&autoload=false")
+        body = shlex.quote(json.dumps({"model": name, **PROBE_COMPLETION}))
+        lines.append(
+            f"if slots=$({PROBE_CURL} -f {CURL_AUTH} -- {slots}); then before=$busy; {count}"
+            f'if [ -z "$probe" ] && [ $((busy - before)) -lt "$(printf %s "$slots" | '
+            f'grep -o \'"is_processing":[a-z]*\' | wc -l)" ]; then probe={body}; fi; fi; '
+        )
+    return "".join(lines) + 'echo "slots $total $busy"'
+
+
+# The probe's completion: 4 greedy tokens.
+PROBE_COMPLETION = {"prompt": "Hello", "n_predict": 4, "temperature": 0}
 
 
 def parse_slot_counts(line: str) -> tuple[int, int]:
@@ -233,15 +252,19 @@ class ServerProbe(FactBase):
         {"health": 200, "slots": 2, "busy": 0, "completion_ok": True, "tokens_per_second": 812.4}
     """
 
-    def command(self, base_url: str) -> str:
-        body = shlex.quote('{"prompt": "Hello", "n_predict": 4, "temperature": 0}')
+    def command(self, base_url: str, models: tuple[str, ...] = ()) -> str:
+        """``models``: a router's model names (the completion goes to a loaded one with an
+        idle slot; none loaded prints ``unloaded``)."""
+        body = '"$probe"' if models else shlex.quote(json.dumps(PROBE_COMPLETION))
         health, completion = (
             shlex.quote(f"{base_url}/{path}") for path in ("health", "completion")
         )
+        unloaded = 'elif [ -z "$probe" ]; then echo unloaded; ' if models else ""
         return (
             f"{PROBE_CURL} -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
-            f"{slot_counts_command(base_url)}; "
-            'if [ "$total" -gt 0 ] && [ "$busy" -ge "$total" ]; then echo busy; else '
+            f"{slot_counts_command(base_url, tuple(models))}; "
+            'if [ "$total" -gt 0 ] && [ "$busy" -ge "$total" ]; then echo busy; '
+            f"{unloaded}else "
             f"{PROBE_CURL} -f {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
             f"-- {completion} || true; fi"
         )
@@ -252,16 +275,18 @@ class ServerProbe(FactBase):
         total, busy = parse_slot_counts(lines[1]) if len(lines) > 1 else (0, 0)
         rest = "\n".join(lines[2:])
         try:
-            answer = json.loads(rest) if rest and rest != "busy" else None
+            answer = json.loads(rest) if rest and rest not in ("busy", "unloaded") else None
         except json.JSONDecodeError:
             answer = None
-        completion_ok = None if rest == "busy" else isinstance(answer, dict) and "content" in answer
+        waiting = rest in ("busy", "unloaded")
+        completion_ok = None if waiting else isinstance(answer, dict) and "content" in answer
         timings = (answer or {}).get("timings", {}) if completion_ok else {}
         return {
             "health": health,
             "slots": total,
             "busy": busy,
             "completion_ok": completion_ok,
+            "loaded": rest != "unloaded",
             "tokens_per_second": timings.get("predicted_per_second"),
         }
 

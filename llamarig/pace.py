@@ -31,9 +31,11 @@ PROMPT = "Write a long story about a llama who travels the world."
 SPEED_FILE = "decode-tps"
 
 
-def decode_command(base_url: str) -> str:
-    """One greedy completion of DECODE_TOKENS; prints the reply (key: the root-only header)."""
+def decode_command(base_url: str, model: str | None = None) -> str:
+    """One greedy completion of DECODE_TOKENS (of ``model``, on a router); prints the reply
+    (key: the root-only header)."""
     body = {
+        **({"model": model} if model else {}),
         "prompt": PROMPT,
         "n_predict": DECODE_TOKENS,
         "temperature": 0,

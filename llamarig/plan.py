@@ -32,6 +32,7 @@ from llamarig.memory import (
     kv_cells,
     plan_memory,
 )
+from llamarig.router import AtOnce, PlannedModel
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
 DEFAULT_DRAFT_MAX = 3
@@ -151,6 +152,10 @@ class HostPlan:
     # why it could not be had: a plan that may change once the header is read.
     blind: list[str] = field(default_factory=list)
     blind_reason: str = ""
+    # A rig of several models (`models:`): each model's own plan, and the worst case of the
+    # models loaded at once (their problems are in ``errors``).
+    models: list[PlannedModel] = field(default_factory=list)
+    at_once: AtOnce | None = None
 
     @property
     def provisional(self) -> str:
@@ -222,6 +227,32 @@ class HostPlan:
         server = self.resolved["server"]
         return "auto" not in (server["ctx"], server["tensor_split"])
 
+    def _models_report(self) -> list[str]:
+        """A rig of several models: each model's plan, then the worst case loaded at once."""
+        lines = []
+        for model in self.models:
+            server, memory = model.plan.resolved["server"], model.plan.memory
+            loads = "at startup" if model.view.load_on_startup else "at its first request"
+            lines.append(
+                f"  model {model.view.name} (loaded {loads}): split mode {server['split_mode']}, "
+                f"ctx {server['ctx']}, {server['parallel']} slot(s)"
+            )
+            if memory:
+                lines.extend("    " + line for line in memory.table().splitlines())
+        if self.at_once and self.at_once.devices:
+            lines.extend("  " + line for line in self.at_once.table().splitlines())
+        elif self.at_once:
+            lines.append(f"  {self.at_once.table()} (no GPU memory planned)")
+        for model in self.models:
+            if model.plan.server_args_ready:
+                options = render.model_options(model.plan.resolved)
+                flat = [part for option in options for part in option if part is not None]
+                model_file = render.layout(model.plan.resolved)["model"]
+                lines.append(
+                    f"  preset [{model.view.name}]: " + render.shell_join(["-m", model_file, *flat])
+                )
+        return lines
+
     def report(self) -> str:
         """The plan as a person reads it."""
         server = self.resolved["server"]
@@ -237,7 +268,9 @@ class HostPlan:
             )
         if self.cuda_architectures:
             lines.append(f"  CUDA architectures: {self.cuda_architectures}")
-        if self.resolved["role"] != "rpc-worker":
+        if self.models:
+            lines.extend(self._models_report())
+        elif self.resolved["role"] != "rpc-worker":
             lines.append(f"  split mode {server['split_mode']}: {self.split_mode_reason}")
         if self.memory:
             ratio = ", ".join(f"{share:.3f}" for share in self.memory.ratio)

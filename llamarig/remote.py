@@ -8,7 +8,7 @@ import copy
 import re
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from llamarig.config import HostConfig, expand_path, strict_host_key_checking
@@ -24,6 +24,7 @@ from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_h
 from llamarig.hostpaths import HUB_TOKEN_HEADER_PATH, OVERHEADS_DIR
 from llamarig.model import header as model_header
 from llamarig.model import header_record
+from llamarig.model.catalog import is_router, model_views, with_views
 from llamarig.model.files import ModelFile, model_files
 from llamarig.model.header import (
     HOST_HEADER_FIRST_READ,
@@ -34,6 +35,7 @@ from llamarig.model.header import (
 )
 from llamarig.model.lock import declared_key, header_key, lock_path, recorded_header, resolved
 from llamarig.plan import HostPlan, gpus_from_pci, plan_host
+from llamarig.router import PlannedModel, loaded_at_once
 
 
 @dataclass(frozen=True)
@@ -238,8 +240,47 @@ def plan_for(
     probe the GPUs (default: for the CUDA backend); ``model``: a local copy of the model."""
     if gpus is None:
         gpus = data["llama_cpp"]["backend"] == "cuda"
+    if is_router(data):
+        return _plan_router(name, data, reader, gpus)
     gathered = gather(data, reader, gpus=gpus, model=model)
     return plan_host(name, data, **gathered.plan_inputs()), gathered
+
+
+def _plan_router(
+    name: str, data: dict, reader: Reader | None, gpus: bool
+) -> tuple[HostPlan, Gathered]:
+    """The plan of a rig of several models: each planned as a one-model rig, then those that
+    may be loaded at once together (``router.loaded_at_once``)."""
+    planned, together = [], Gathered()
+    for view in model_views(data):
+        plan, gathered = plan_for(name, view.data, reader, gpus=gpus)
+        planned.append(PlannedModel(replace(view, data=plan.resolved), plan))
+        together.read += gathered.read
+        together.superseded += gathered.superseded
+        together.warnings += [w for w in gathered.warnings if w not in together.warnings]
+    at_once = loaded_at_once(planned, data["server"]["models_max"])
+
+    def named(model: PlannedModel, lines: list[str]) -> list[str]:
+        return [f"models[{model.view.index}] ({model.view.name}): {line}" for line in lines]
+
+    first = planned[0].plan
+    blind = [line for model in planned for line in named(model, model.plan.blind)]
+    plan = HostPlan(
+        host=name,
+        resolved=with_views(data, [model.view for model in planned]),
+        gpus=first.gpus,
+        gpu_source=first.gpu_source,
+        cuda_architectures=first.cuda_architectures,
+        memory=None,
+        errors=[e for m in planned for e in named(m, m.plan.errors)] + at_once.problems,
+        warnings=[w for m in planned for w in named(m, m.plan.warnings)],
+        notes=[n for m in planned for n in named(m, m.plan.notes)],
+        blind=blind,
+        blind_reason=next((m.plan.blind_reason for m in planned if m.plan.blind), ""),
+        models=planned,
+        at_once=at_once,
+    )
+    return plan, together
 
 
 def host_plan(host_config: HostConfig) -> HostPlan:

@@ -19,6 +19,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from llamarig import project_dir
 from llamarig.config import model_filename
 from llamarig.config.addresses import local_url
+from llamarig.config.rules import PRESET_UNSAFE
 from llamarig.hardware import cuda_architectures
 from llamarig.hostpaths import (
     API_KEY_PATH,
@@ -27,6 +28,7 @@ from llamarig.hostpaths import (
     OVERHEADS_DIR,
     SYSTEMD_UNIT_DIRECTORY,
 )
+from llamarig.model.catalog import is_router, model_views
 
 TEMPLATES_DIR = project_dir("files")
 RPC_SERVER = "ggml-rpc-server"
@@ -108,6 +110,8 @@ def layout(data: dict) -> dict[str, str]:
     """Paths on the host."""
     prefix = PurePosixPath(data["paths"]["prefix"])
     build_dir = prefix / "builds" / build_id(data)
+    env_file = PurePosixPath(data["paths"]["env_file"])
+    presets = str(env_file.with_name(f"{data['server']['service']}.presets.ini"))
     return {
         "source": str(prefix / "src" / "llama.cpp"),
         "builds": str(prefix / "builds"),
@@ -115,8 +119,13 @@ def layout(data: dict) -> dict[str, str]:
         "build_marker": str(build_dir / BUILD_COMPLETE_MARKER),
         "current": str(prefix / "current"),
         "server_binary": str(prefix / "current" / "bin" / "llama-server"),
-        "model": data["model"]["path"]
+        # A router's model is the presets file it reads at start (each model's file is its own
+        # view's): a newer one means the running router predates it.
+        "model": presets
+        if is_router(data)
+        else data["model"]["path"]
         or str(PurePosixPath(data["paths"]["models"]) / model_filename(data)),
+        "presets": presets,
         "unit": f"{SYSTEMD_UNIT_DIRECTORY}/{data['server']['service']}.service",
         "rpc_unit": f"{SYSTEMD_UNIT_DIRECTORY}/{data['rpc']['service']}.service",
         "launcher": str(prefix / "bin" / data["server"]["service"]),
@@ -154,70 +163,120 @@ def build_manifest(data: dict) -> dict:
 
 
 def server_args(data: dict) -> list[str]:
-    """The complete llama-server command line (without secrets, which go through files)."""
+    """The complete llama-server command line (without secrets, which go through files): one
+    model's, or the router's for a rig of several (``router.router_args``)."""
+    if is_router(data):
+        return router_args(data)
     server = data["server"]
-    if server["split_mode"] == "auto":
-        raise ValueError("split_mode auto is resolved by the plan (plan.plan_host) first")
-    gpu = data["llama_cpp"]["backend"] == "cuda"
     paths = layout(data)
-    # Short flags, as in llama.cpp's docs and the seed articles.
-    args = [
-        paths["server_binary"],
-        "-m",
-        paths["model"],
-        "--host",
-        server["host"],
-        "--port",
-        str(server["port"]),
-        "-c",
-        str(server["ctx"]),
-        "-np",
-        str(server["parallel"]),
-        "-b",
-        str(server["batch"]),
-        "-ub",
-        str(server["ubatch"]),
-        "-ctk",
-        server["cache_type_k"],
-        "-ctv",
-        server["cache_type_v"],
-        "-lm",
-        server["load_mode"],
-    ]
-    endpoints = data["rpc"].get("endpoints") if data["role"] == "rpc-head" else None
-    if endpoints:
-        args += ["--rpc", ",".join(endpoints)]
-    if gpu or endpoints:
-        # RPC devices take layers like GPUs do, also on a head built for the CPU.
-        args += ["-ngl", str(server["gpu_layers"]), "-sm", server["split_mode"]]
-        devices, shares = server_devices(data)
-        if devices:
-            args += ["-dev", ",".join(devices)]
-        if shares is not None:
-            args += ["-ts", ",".join(_number(share) for share in shares)]
-    flash_attn = "on" if server["split_mode"] == "tensor" else server["flash_attn"]
-    args += ["-fa", flash_attn]
-    if server["split_mode"] == "tensor":
-        # --fit is not implemented for tensor mode: the context is sized explicitly.
-        args += ["-fit", "off"]
-    if server["kv_unified"]:
-        args.append("-kvu")
-    if server["backend_sampling"]:
-        args.append("-bs")
-    if server["threads"]:
-        args += ["-t", str(server["threads"])]
-    if server["spec"]["type"]:
-        args += ["--spec-type", ",".join(server["spec"]["type"])]
-    if server["spec"]["draft_max"] is not None:
-        args += ["--spec-draft-n-max", str(server["spec"]["draft_max"])]
-    if server["chat_template_kwargs"]:
-        kwargs = json.dumps(server["chat_template_kwargs"], separators=(",", ":"), sort_keys=True)
-        args += ["--chat-template-kwargs", kwargs]
+    args = [paths["server_binary"], "-m", paths["model"]]
+    args += ["--host", server["host"], "--port", str(server["port"])]
+    args += [part for option in model_options(data) for part in option if part is not None]
     if server["metrics"]:
         args.append("--metrics")
     args += ["--alias", model_alias(data)]
     args += server["extra_args"]
     return args
+
+
+def router_args(data: dict) -> list[str]:
+    """The command line of llama-server's router for a rig of several models: the listen
+    address and the presets file; every model setting is in its preset (a router's own flags
+    would win over every preset's), the API key is added by the unit (never forwarded to the
+    children, which listen on loopback only)."""
+    server = data["server"]
+    paths = layout(data)
+    args = [paths["server_binary"], "--host", server["host"], "--port", str(server["port"])]
+    args += ["--models-preset", paths["presets"]]
+    args += ["--models-max", str(server["models_max"] or len(data["models"]))]
+    if server["idle_unload_seconds"]:
+        args += ["--sleep-idle-seconds", str(server["idle_unload_seconds"])]
+    if server["metrics"]:
+        args.append("--metrics")
+    args += server["extra_args"]
+    return args
+
+
+def preset_sections(data: dict) -> list[dict]:
+    """Each model's preset section of a router rig: its name, and its options as (INI key,
+    value) pairs, the key a flag without its dashes. Raises ValueError for a value the INI
+    cannot carry (the rules refuse those before)."""
+    sections = []
+    # Those loaded at startup last: the deploy's check after a start loads each model in the
+    # file's order, so it leaves them loaded.
+    for view in sorted(model_views(data), key=lambda view: view.load_on_startup):
+        options = [("m", layout(view.data)["model"])]
+        options += [(flag.lstrip("-"), "true" if value is None else value)
+                    for flag, value in model_options(view.data)]  # fmt: skip
+        options.append(("load-on-startup", "true" if view.load_on_startup else "false"))
+        for key, value in options:
+            if PRESET_UNSAFE.search(value):
+                raise ValueError(f"models[{view.index}] ({view.name}): {key} = {value!r}")
+        sections.append({"name": view.name, "options": options})
+    return sections
+
+
+def preset_flags(data: dict) -> list[str]:
+    """The llama-server options a router rig's presets set (none for one model), for the
+    check against the binary's --help (a key the binary does not know stops the router)."""
+    return [
+        flag
+        for view in model_views(data)
+        for flag in ["-m", *(flag for flag, _ in model_options(view.data))]
+    ]
+
+
+def render_presets(data: dict) -> str:
+    return render_file("llama-server.presets.ini.j2", sections=preset_sections(data))
+
+
+def model_options(data: dict) -> list[tuple[str, str | None]]:
+    """The options of llama-server that serve one model as planned, each (flag, value) or
+    (flag, None): the one-model command line, and a router's preset for the model."""
+    server = data["server"]
+    if server["split_mode"] == "auto":
+        raise ValueError("split_mode auto is resolved by the plan (plan.plan_host) first")
+    gpu = data["llama_cpp"]["backend"] == "cuda"
+    # Short flags, as in llama.cpp's docs and the seed articles.
+    options: list[tuple[str, str | None]] = [
+        ("-c", str(server["ctx"])),
+        ("-np", str(server["parallel"])),
+        ("-b", str(server["batch"])),
+        ("-ub", str(server["ubatch"])),
+        ("-ctk", server["cache_type_k"]),
+        ("-ctv", server["cache_type_v"]),
+        ("-lm", server["load_mode"]),
+    ]
+    endpoints = data["rpc"].get("endpoints") if data["role"] == "rpc-head" else None
+    if endpoints:
+        options.append(("--rpc", ",".join(endpoints)))
+    if gpu or endpoints:
+        # RPC devices take layers like GPUs do, also on a head built for the CPU.
+        options += [("-ngl", str(server["gpu_layers"])), ("-sm", server["split_mode"])]
+        devices, shares = server_devices(data)
+        if devices:
+            options.append(("-dev", ",".join(devices)))
+        if shares is not None:
+            options.append(("-ts", ",".join(_number(share) for share in shares)))
+    flash_attn = "on" if server["split_mode"] == "tensor" else server["flash_attn"]
+    options.append(("-fa", flash_attn))
+    if server["split_mode"] == "tensor":
+        # --fit is not implemented for tensor mode: the context is sized explicitly.
+        options.append(("-fit", "off"))
+    if server["kv_unified"]:
+        options.append(("-kvu", None))
+    if server["backend_sampling"]:
+        options.append(("-bs", None))
+    if server["threads"]:
+        options.append(("-t", str(server["threads"])))
+    if server["spec"]["type"]:
+        options.append(("--spec-type", ",".join(server["spec"]["type"])))
+    if server["spec"]["draft_max"] is not None:
+        options.append(("--spec-draft-n-max", str(server["spec"]["draft_max"])))
+    if server["chat_template_kwargs"]:
+        kwargs = json.dumps(server["chat_template_kwargs"], separators=(",", ":"), sort_keys=True)
+        options.append(("--chat-template-kwargs", kwargs))
+    return options
 
 
 # A quantization as GGUF file names carry it: Q4_1, Q4_K_M, IQ2_XXS, Q8_0, F16, BF16, MXFP4 ...

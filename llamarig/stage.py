@@ -36,6 +36,7 @@ from llamarig.facts import (
     RunningService,
     UnitState,
 )
+from llamarig.model.catalog import is_router, served_data
 from llamarig.model.files import model_files
 from llamarig.model.lock import lock_path, resolved
 from llamarig.model.reference import HubError
@@ -107,7 +108,8 @@ def read_system() -> None:
     if data["llama_cpp"]["backend"] == "cuda":
         requests.append((MeasuredOverheads, {"path": hostpaths.OVERHEADS_DIR}))
         if data["role"] != "rpc-worker":
-            unchecked = [file.dest for file in model_files(data) if not file.sha256]
+            files = [file for served in served_data(data) for file in model_files(served)]
+            unchecked = [file.dest for file in files if not file.sha256]
             requests += [(FileIdentity, {"path": path}) for path in unchecked]
     prefetch(requests)
 
@@ -119,6 +121,7 @@ def read_managed_state() -> None:
     paths = render.layout(data)
     service = f"{data['server']['service']}.service"
     small_files = [paths["unit"], paths["env_file"], paths["launcher"], paths["rpc_unit"]]
+    small_files += [paths["presets"]] if is_router(data) else []
     if data["driver"]["source"] != "none" and data["kernel_modules"]["manage"]:
         small_files += [boot.BLACKLIST_PATH, boot.MODULES_LOAD_PATH]
     requests = [(FileState, {"path": path}) for path in small_files] + [
@@ -141,11 +144,13 @@ def read_managed_state() -> None:
         requests.append((File, {"path": render.nvcc_path(data)}))
     if data["role"] != "rpc-worker":
         records = checksums.RECORD_DIRECTORY
+        served = served_data(rig())
         requests += [
             (RecordedSha256, {"path": shard.dest, "records": records})
-            for shard in model_files(rig())
+            for model in served
+            for shard in model_files(model)
         ]
-        if not data["model"]["path"]:
+        if any(not model["model"]["path"] for model in served):
             requests.append((Directory, {"path": data["paths"]["models"]}))
     # The key is copied when one is given (its mode and digest), else removed (it exists?).
     key_fact = FileState if data["server"]["api_key_file"] else File
@@ -153,6 +158,8 @@ def read_managed_state() -> None:
         (key_fact, {"path": hostpaths.API_KEY_PATH}),
         (File, {"path": hostpaths.API_KEY_HEADER_PATH}),
     ]
+    if not is_router(data) and data["role"] != "rpc-worker":
+        requests.append((File, {"path": paths["presets"]}))  # removed, if a router left it
     prefetch(requests)
 
 
@@ -174,11 +181,13 @@ def service_running(
     drain_timeout: int = 0,
     drain_host: str | None = None,
     drain_service: str | None = None,
+    drain_models: tuple[str, ...] = (),
 ) -> tuple[OperationMeta, OperationMeta]:
     """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
     inputs) unless this run just started it, after the requests in flight at ``drain_url``
     (on ``drain_host``'s ``drain_service``, else this host's) finished, at most
-    ``drain_timeout`` seconds; returns the start and the restart."""
+    ``drain_timeout`` seconds (``drain_models``: a router's models); returns the start and the
+    restart."""
     started = operations.unit_running(name=f"{service} enabled and running", unit=service)
     restarted = operations.restart_service(
         name=f"Restart {service} ({why})",
@@ -187,6 +196,7 @@ def service_running(
         drain_timeout=drain_timeout,
         drain_host=drain_host,
         drain_service=drain_service,
+        drain_models=drain_models,
         _if=lambda: out_of_date() and not started.did_change(),
     )
     return started, restarted

@@ -14,6 +14,7 @@ from pathlib import Path
 from llamarig import PACKAGE_DIR, PROJECT_DIR, checksums, hostpaths, render
 from llamarig.config import HostConfig
 from llamarig.config.problems import Problem, located
+from llamarig.model.catalog import served_data
 from llamarig.model.files import model_files
 from llamarig.model.reference import HubError
 from llamarig.remote import SshTarget, host_plan, ssh_alias
@@ -36,7 +37,8 @@ def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
             {"index": index, "name": device.name, "planned_mib": device.planned_mib}
             for index, device in zip(indices, plan.memory.devices, strict=True)
         ]
-    files = [] if data["role"] == "rpc-worker" else model_files(data)
+    served = [] if data["role"] == "rpc-worker" else served_data(data)
+    files = list({file.dest: file for model in served for file in model_files(model)}.values())
     return {
         "name": host_config.name,
         "data": data,

@@ -7,6 +7,7 @@ from pyinfra.api.operation import OperationMeta
 from llamarig import operations, render, stage
 from llamarig.factcache import known
 from llamarig.facts import FileState, MissingCommands
+from llamarig.model.catalog import is_router
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools
 
 
@@ -60,14 +61,18 @@ def deploy() -> OperationMeta:
         if rig["server"]["supervisor"] == "systemd"
         else (paths["launcher"], render.render_launcher(rig))
     )
-    command_differs = (known(FileState, path=command_file) or {}).get(
-        "sha256"
-    ) != render.sha256_text(command_text)
+    command_files = [(command_file, command_text)]
+    if is_router(rig):  # the presets carry each model's options
+        command_files.append((paths["presets"], render.render_presets(rig)))
+    command_differs = any(
+        (known(FileState, path=path) or {}).get("sha256") != render.sha256_text(text)
+        for path, text in command_files
+    )
     if rig["role"] != "rpc-worker":
         operations.check_server_flags(
-            name="llama-server knows every option of the command line",
+            name="llama-server knows every option of the command line (and of the presets)",
             binary=f"{paths['build']}/bin/llama-server",
-            args=render.server_args(rig),
+            args=render.server_args(rig) + render.preset_flags(rig),
             _if=lambda: build.did_change() or command_differs,
         )
     return operations.symlink(

@@ -7,6 +7,7 @@ from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 
 from llamarig import hostpaths, operations, stage
+from llamarig.model.catalog import served_data
 from llamarig.model.files import model_files
 from llamarig.model.reference import read_token
 
@@ -19,13 +20,19 @@ TOKEN_HEADER_FILE = hostpaths.HUB_TOKEN_HEADER_PATH
 @api.deploy("tasks/model.py")
 def deploy() -> list[OperationMeta]:
     """Returns the downloads (none for a file already on the host or an RPC worker): when one
-    changes, the server must restart."""
+    changes, the server must restart. A rig of several models fetches each."""
     rig = stage.rig()
-    model = rig["model"]
-
     if rig["role"] == "rpc-worker":
         host.noop("rpc-worker: the head holds the model and sends the worker its tensors")
         return []
+    downloads = [op for served in served_data(rig) for op in _model(served)]
+    stage.record_headers()
+    return downloads
+
+
+def _model(rig: dict) -> list[OperationMeta]:
+    """One model's files: checked in place (``path``) or downloaded and checked."""
+    model = rig["model"]
     shards = model_files(rig)
     if model["path"]:
         for shard in shards:
@@ -35,7 +42,6 @@ def deploy() -> list[OperationMeta]:
                 sha256=shard.sha256,
                 rehash=model["rehash"],
             )
-        stage.record_headers()
         return []
     operations.directory(name="Models directory", path=rig["paths"]["models"], mode="755")
     header_file = None
@@ -63,7 +69,7 @@ def deploy() -> list[OperationMeta]:
             path=shard.dest,
             rehash=model["rehash"],
         )
-    downloads = [
+    return [
         operations.fetch_checked(
             name=f"Model {shard.dest} (sha256 checked)",
             url=shard.url,
@@ -73,5 +79,3 @@ def deploy() -> list[OperationMeta]:
         )
         for shard in shards
     ]
-    stage.record_headers()
-    return downloads

@@ -15,6 +15,7 @@ from pyinfra.operations.util import any_changed
 from llamarig import answers, hostpaths, operations, render, stage
 from llamarig.factcache import known
 from llamarig.facts import RunningService
+from llamarig.model.catalog import model_views
 
 
 @api.deploy("tasks/server.py")
@@ -100,6 +101,18 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         dest=paths["unit"],
         mode="644",
     )
+    names = tuple(view.name for view in model_views(rig))
+    if names:
+        # The router reads it at start; the unit reads it as its user, so readable by all.
+        inputs = [
+            operations.atomic_file(
+                name=f"Model presets {paths['presets']} ({', '.join(names)})",
+                src=StringIO(render.render_presets(rig)),
+                dest=paths["presets"],
+                mode="644",
+            ),
+            *inputs,
+        ]
     # A run cut short after writing the unit, environment, link or model but before the
     # restart leaves the old process running: compare it with what it should run.
     running = known(RunningService, service=service, model=paths["model"])
@@ -136,6 +149,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         "unit, environment, build or model changed, or out of date",
         drain_url=render.base_url(rig),
         drain_timeout=server["drain_timeout"],
+        drain_models=names,
     )
     operations.serve_or_roll_back(
         name=f"Wait until {service} serves (else roll back to the last version that served)",
@@ -149,7 +163,10 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         answers=answers.answers(rig),
         max_slowdown=server["max_slowdown"],
         drain_timeout=server["drain_timeout"],
-        model=f"{paths['model']} {rig['model']['sha256']}",
+        model=_speed_of(rig),
+        presets=paths["presets"] if names else None,
+        probe_model=_probe_model(rig),
+        models=names,
         _if=any_changed(started, restarted),
     )
     plan = stage.plan()
@@ -164,6 +181,25 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
             buffers_mib=[d.planned_mib - d.reserve_mib for d in plan.memory.devices],
             _if=any_changed(started, restarted),
         )
+    if not names:
+        # A rig that served several models before: once the one model serves (a rollback may
+        # still need the presets), they are gone.
+        operations.absent(name=f"No model presets {paths['presets']}", path=paths["presets"])
     # After the wait: a version that was rolled back leaves the launcher of the one that serves.
     _put_launcher(rig)
     return [*inputs, started]
+
+
+def _probe_model(rig: dict) -> str | None:
+    """The model a router's checks ask after a start: the first loaded at startup, else the
+    first (its request loads it); None for a one-model rig."""
+    views = model_views(rig)
+    return next((v.name for v in views if v.load_on_startup), views[0].name) if views else None
+
+
+def _speed_of(rig: dict) -> str:
+    """What the decode speed is measured of (the model file and its checksum; on a router the
+    probe's model), so that speeds of different models are never compared."""
+    views = {view.name: view.data for view in model_views(rig)}
+    served = views.get(_probe_model(rig), rig)
+    return f"{render.layout(served)['model']} {served['model']['sha256']}"

@@ -10,6 +10,7 @@ from pyinfra.operations.util import any_changed
 
 from llamarig import operations, render, stage
 from llamarig.facts import ServerProbe
+from llamarig.model.catalog import model_views
 
 
 @api.deploy("tasks/verify.py")
@@ -39,5 +40,6 @@ def deploy(serving: list[OperationMeta]) -> None:
             name="Verify the rig (unless the server stage's wait just checked it)",
             unit=f"{rig['server']['service']}.service",
             base_url=render.base_url(rig),
+            models=tuple(view.name for view in model_views(rig)),
             _if=lambda: not restarted(),
         )

@@ -34,6 +34,7 @@ SCENARIO_LANES = {
     "test_sandbox_nvidia_repo": "sandbox-nvidia-repo",
     "test_sandbox_rpc": "sandbox-rpc",
     "test_sandbox_hostile": "sandbox-hostile",
+    "test_sandbox_router": "sandbox-router",
 }
 SANDBOX_MODULE_PREFIX = "test_sandbox_"
 

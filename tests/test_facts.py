@@ -76,8 +76,12 @@ def test_server_probe():
         "slots": 2,
         "busy": 1,
         "completion_ok": True,
+        "loaded": True,
         "tokens_per_second": 812.5,
     }
+    # A router with no model loaded: no completion sent, the check passes on /health.
+    idle = ServerProbe().process(["200", "slots 0 0", "unloaded"])
+    assert idle["loaded"] is False and idle["completion_ok"] is None
     assert ServerProbe().process(["503", "slots 0 0"])["completion_ok"] is False
     assert ServerProbe().process(["200", "slots 2 2", "busy"])["completion_ok"] is None
 

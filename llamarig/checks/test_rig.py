@@ -16,6 +16,7 @@ import pytest
 from llamarig import answers, checksums
 from llamarig.config.addresses import is_loopback
 from llamarig.hardware import check_versions, cuda_architecture, device_access_problems
+from llamarig.model.catalog import model_views
 from llamarig.platform import SUPPORTED, os_key
 
 BLACKLISTED = ("nouveau", "nova_core", "nova")
@@ -337,14 +338,22 @@ def test_listens_only_where_configured(host, data, derived):
         )
 
 
+def _first_model(data: dict) -> dict:
+    """What a request names to reach a model: nothing on a one-model rig, the first model's
+    name on a router (which routes by it)."""
+    views = model_views(data)
+    return {"model": views[0].name} if views else {}
+
+
 def test_api_health_completion_metrics(api, data):
     code, body = api("/health")
     assert code == 200 and json.loads(body).get("status") == "ok", f"/health: {code} {body[:200]}"
-    code, body = api("/completion", {"prompt": "Hello", "n_predict": 4, "temperature": 0})
+    model = _first_model(data)
+    code, body = api("/completion", {**model, "prompt": "Hello", "n_predict": 4, "temperature": 0})
     assert code == 200, f"/completion: {code} {body[:300]}"
     assert json.loads(body)["tokens_predicted"] > 0
     if data["server"]["metrics"]:
-        code, body = api("/metrics")
+        code, body = api("/metrics" + (f"?model={model['model']}" if model else ""))
         assert code == 200 and "llamacpp:" in body, f"/metrics: {code}"
 
 
@@ -409,7 +418,12 @@ def test_decode_speed_floor(api, data):
         pytest.skip("expect.min_tokens_per_second not set: speed not checked")
     code, body = api(
         "/completion",
-        {"prompt": "Write a story about a llama.", "n_predict": 128, "temperature": 0},
+        {
+            **_first_model(data),
+            "prompt": "Write a story about a llama.",
+            "n_predict": 128,
+            "temperature": 0,
+        },
     )
     assert code == 200, f"/completion: {code}"
     speed = json.loads(body)["timings"]["predicted_per_second"]
@@ -425,7 +439,9 @@ def pytest_generate_tests(metafunc):
     path = os.environ.get("LLAMARIG_VERIFY_DATA")
     data = json.loads(Path(path).read_text(encoding="utf-8"))["data"] if path else None
     found = answers.answers(data) if data else []
-    metafunc.parametrize("answer", found, ids=[f"answers[{a.index}]" for a in found])
+    ids = [f"models[{a.model_index}].answers[{a.index}]" if a.model else f"answers[{a.index}]"
+           for a in found]  # fmt: skip
+    metafunc.parametrize("answer", found, ids=ids)
 
 
 def test_expected_answer(api, answer):

@@ -4,7 +4,9 @@ The hardware-facing contradictions live in `contradictions`, the version rules i
 
 from __future__ import annotations
 
+import json
 import math
+import re
 from typing import Any
 
 from llamarig import llama_args
@@ -16,6 +18,8 @@ from llamarig.config.paths import expand_path, local_file_text
 from llamarig.config.problems import Problem, json_type
 from llamarig.config.versions import version_problems
 from llamarig.memory import CUDA_FA_KV_TYPES
+from llamarig.model.catalog import is_router, model_views
+from llamarig.model.files import model_files
 from llamarig.shapes import shape_problems
 
 UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
@@ -65,7 +69,7 @@ def semantic_problems(data: dict) -> list[Problem]:
             )
         )
 
-    problems += model_problems(data)
+    problems += _models_problems(data) if is_router(data) else model_problems(data)
 
     split_mode = server["split_mode"]
     if split_mode == "row":
@@ -193,6 +197,151 @@ def semantic_problems(data: dict) -> list[Problem]:
     problems += [Problem(*problem) for problem in llama_args.env_problems(server["env"])]
     problems += contradiction_problems(data)
     problems += answer_problems(data)
+    if not is_router(data):
+        problems += [
+            Problem(("server", key), "has no effect without `models:` (several models); remove it")
+            for key in ROUTER_KEYS
+            if server[key] is not None
+        ]
+    return problems
+
+
+# What llama.cpp's preset INI cannot carry in a value: it ends a value at ; or # (a comment)
+# and at a line break, and has no quoting.
+PRESET_UNSAFE = re.compile(r"[;#\r\n]")
+
+
+def _preset_problems(index: int, data: dict) -> list[Problem]:
+    """The values of one model's preset section that llama.cpp's INI parser would cut: its
+    file's path and its chat template arguments (the others are numbers and fixed words)."""
+    problems = []
+    for file in model_files(data)[:1]:
+        if PRESET_UNSAFE.search(file.dest):
+            key = "path" if data["model"]["path"] else "filename"
+            problems.append(
+                Problem(
+                    ("models", index, key),
+                    f"{file.dest!r} holds ; or #, which llama.cpp's presets file reads as a "
+                    "comment: give the file a name without them",
+                )
+            )
+    kwargs = json.dumps(data["server"]["chat_template_kwargs"])
+    if PRESET_UNSAFE.search(kwargs):
+        problems.append(
+            Problem(
+                ("models", index, "server", "chat_template_kwargs"),
+                "holds ; or # (or a line break), which llama.cpp's presets file cannot carry: "
+                "leave them out of the values",
+            )
+        )
+    return problems
+
+
+# The rig-wide settings of a router rig (`models:`).
+ROUTER_KEYS = ("models_max", "idle_unload_seconds")
+
+
+def _models_problems(data: dict) -> list[Problem]:
+    """A router rig's own rules, then each entry of `models:` checked as a one-model rig is,
+    its problems named by the entry's key path."""
+    problems = []
+    model, server = data["model"], data["server"]
+    given = [key for key in ("url", "path", "hf") if model[key]]
+    if given:
+        problems.append(
+            Problem(
+                ("model", given[0]),
+                "a rig serves `model:` or `models:`, not both: move this model into `models:` "
+                "as an entry with a `name`",
+            )
+        )
+    if data["role"] != "standalone":
+        problems.append(
+            Problem(
+                ("models",),
+                f"an {data['role']} serves one model: `models:` is for a "
+                "standalone rig (role: standalone)",
+            )  # fmt: skip
+        )
+    if server["supervisor"] != "systemd":
+        problems.append(
+            Problem(
+                ("server", "supervisor"),
+                "is none, but several models are served by llama-server's router, which "
+                "llamarig runs under systemd only: set supervisor: systemd or serve one `model:`",
+            )
+        )
+    if server["alias"] is not None:
+        problems.append(
+            Problem(
+                ("server", "alias"),
+                "names the one model of a rig; with `models:` each entry's `name` is what "
+                "clients send: remove server.alias",
+            )
+        )
+    if data["expect"]["answers"]:
+        problems.append(
+            Problem(
+                ("expect", "answers"),
+                "with `models:` an answer is asked of one model: move each under the model it "
+                "asks, as models[N].expect.answers",
+            )
+        )
+    names: dict[str, int] = {}
+    files: dict[str, tuple[int, object]] = {}
+    tokens: dict[str, int] = {}
+    for view in model_views(data):
+        entry = data["models"][view.index]
+        if view.name in names:
+            problems.append(
+                Problem(
+                    ("models", view.index, "name"),
+                    f"{view.name!r} is also models[{names[view.name]}]'s name: clients pick a "
+                    "model by its name, so each must be unique",
+                )
+            )
+        names.setdefault(view.name, view.index)
+        # What the rig's own settings cause (named by the rig's own check) is not the entry's.
+        plain = {**entry, "server": {}}
+        (rig_view,) = model_views({**data, "models": [plain]})
+        rig_caused = {(p.path, p.message) for p in semantic_problems(rig_view.data)}
+        for problem in semantic_problems(view.data):
+            path = problem.path
+            if path[:1] == ("model",):
+                path = ("models", view.index, *path[1:])
+            elif path[:2] == ("expect", "answers"):
+                path = ("models", view.index, *path)
+            elif (path, problem.message) in rig_caused:
+                continue
+            elif path[:1] == ("server",) and path[1:2] and path[1] in (entry.get("server") or {}):
+                path = ("models", view.index, *path)
+            else:
+                path = ("models", view.index, "server")  # the entry's settings with the rig's
+            problems.append(Problem(path, problem.message, problem.in_inventory))
+        if any(p.path[:2] == ("models", view.index) for p in problems):
+            continue
+        problems += _preset_problems(view.index, view.data)
+        token = view.data["model"]["token_file"]
+        if token and tokens and token not in tokens:
+            problems.append(
+                Problem(
+                    ("models", view.index, "token_file"),
+                    f"differs from models[{next(iter(tokens.values()))}]'s: the host keeps one "
+                    "Hugging Face token, so the models of a rig share one token_file",
+                )
+            )
+        if token:
+            tokens.setdefault(token, view.index)
+        for file in model_files(view.data):
+            earlier = files.setdefault(file.dest, (view.index, file.sha256))
+            if earlier[0] != view.index and earlier[1] != file.sha256:
+                problems.append(
+                    Problem(
+                        ("models", view.index),
+                        f"its file {file.dest} is also models[{earlier[0]}]'s, with another "
+                        "sha256: give one of them another `filename`",
+                    )
+                )
     return problems
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import os
 import re
+from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
@@ -25,6 +26,7 @@ from llamarig.config.paths import inventory_path
 from llamarig.config.problems import ConfigError
 from llamarig.gguf_header import GgufError, GgufHeader
 from llamarig.model import header_record
+from llamarig.model.catalog import is_router, model_views, with_views
 from llamarig.model.files import ModelFile, sibling_paths
 from llamarig.model.reference import (
     DEFAULT_ENDPOINT,
@@ -303,6 +305,15 @@ def resolved(data: dict, lock: Path | None = None, update: bool | None = None) -
     and ``filename``; data without a reference is returned as it is. Raises HubError (the
     model key at fault and the fix) for a reference that does not resolve, a sha256 pin the
     Hub contradicts, or a filename given for a split model."""
+    if is_router(data):
+        views = []
+        for view in model_views(data):
+            try:
+                views.append(replace(view, data=resolved(view.data, lock, update)))
+            except HubError as error:
+                key = ("models", str(view.index), *error.key_path[1:])
+                raise HubError(key, error.message) from None
+        return with_views(data, views)
     model = data["model"]
     if not model["hf"]:
         return data

@@ -4,9 +4,11 @@ server's flags checked against the built binary."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import time
+from dataclasses import dataclass
 
 from pyinfra import host, logger
 from pyinfra.api import (
@@ -20,21 +22,56 @@ from llamarig.answers import Answer, verdict
 from llamarig.answers import check_command as answer_check_command
 from llamarig.answers import parse_output as parse_answer_output
 from llamarig.factcache import known
-from llamarig.facts import PROBE_CONNECT_S, PROBE_MAX_S, MeasuredOverheads, ServerProbe, UnitState
+from llamarig.facts import (
+    PROBE_COMPLETION,
+    PROBE_CONNECT_S,
+    PROBE_MAX_S,
+    MeasuredOverheads,
+    ServerProbe,
+    UnitState,
+)
 from llamarig.hostpaths import CURL_AUTH
 from llamarig.llama_args import option_name
 from llamarig.operations.host import connected_host, fail_command
 from llamarig.operations.systemd import drain, journal_tail_command, restart_command
 
 
-def _serving_check(base_url: str, service: str, timeout: int) -> str:
+def _serving_check(base_url: str, service: str, timeout: int, presets: str | None = None) -> str:
     """Shell function ``serving``: waits until the unit answers /health with 200 and serves a
-    4-token completion; returns 1 (with why in $why) when it crashes, or on timeout."""
+    4-token completion; returns 1 (with why in $why) when it crashes, on timeout or a failed
+    completion. A router (``presets``): a completion of each model of the presets file installed
+    when it runs (the new version's, or the one a rollback put back), in the file's order, which
+    loads each; a failure names the model."""
     q_service = shlex.quote(service)
     health, completion = shlex.quote(f"{base_url}/health"), shlex.quote(f"{base_url}/completion")
     crashed = shlex.quote(f"{service} exited while starting")
     not_ready = shlex.quote(f"{base_url}/health not ready after {int(timeout)} s")
-    failed = shlex.quote(f"{base_url}/completion failed")
+    failed = shlex.quote(f"{base_url}/completion failed: ")
+    ask = (
+        f"answer=$(curl -sS {CURL_AUTH} -H 'Content-Type: application/json' -d \"$body\" "
+        f"-- {completion} 2>&1)"
+    )
+    judge = (
+        """case "$answer" in *'"content"'*) ;; *) why="$failed$(printf %s "$answer" | """
+        'head -c 300)"; return 1 ;; esac'
+    )
+    body = shlex.quote(json.dumps(PROBE_COMPLETION))
+    asks = f"  body={body}; failed={failed}\n  {ask}\n  {judge}"
+    if presets:
+        # The names are llamarig's own (letters, digits, ._-), safe inside the JSON string.
+        # A version kept from before the rig had several models has no presets file.
+        template = json.dumps({"model": "%s", **PROBE_COMPLETION})
+        q_presets = shlex.quote(presets)
+        asks = f"""  if [ -f {q_presets} ]; then
+  for model in $(sed -n 's/^\\[\\(.*\\)\\]$/\\1/p' {q_presets}); do
+    body=$(printf {shlex.quote(template)} "$model")
+    failed={shlex.quote(f"{base_url}/completion of model ")}"$model failed: "
+    {ask}
+    {judge}
+  done
+  else
+{asks}
+  fi"""
     return f"""
 serving() {{
   deadline=$(( $(date +%s) + {int(timeout)} ))
@@ -49,10 +86,7 @@ serving() {{
     fi
     sleep 1
   done
-  body='{{"prompt": "Hello", "n_predict": 4, "temperature": 0}}'
-  answer=$(curl -sf {CURL_AUTH} -H 'Content-Type: application/json' -d "$body" \\
-    -- {completion}) || {{ why={failed}; return 1; }}
-  case "$answer" in *'"content"'*) ;; *) why="unexpected completion: $answer"; return 1 ;; esac
+{asks}
 }}
 """
 
@@ -116,6 +150,9 @@ def serve_or_roll_back(
     max_slowdown: float | None = None,
     drain_timeout: int = 0,
     model: str = "",
+    presets: str | None = None,
+    probe_model: str | None = None,
+    models: tuple[str, ...] = (),
 ):
     """
     Wait until a (re)started llama-server serves, gives every expected answer and decodes
@@ -139,6 +176,10 @@ def serve_or_roll_back(
       are not compared, since a larger model is meant to be slower
     + drain_timeout: before each switch between the versions measured side by side, the most
       seconds to wait for requests in flight to finish (``drain``)
+    + presets, probe_model, models: a router's presets file (kept and put back with the
+      unit; after a start each of its models must load and complete, in its order, or the
+      router is rolled back), the model whose decode speed is measured, and every model's name
+      (whose slots a drain waits for)
 
     Only call it when something was (re)started (guard it with ``_if=``): it always runs.
 
@@ -157,8 +198,9 @@ def serve_or_roll_back(
         )
     """
     q_service, q_good, q_url = (shlex.quote(value) for value in (service, last_good, base_url))
-    check = _serving_check(base_url, service, timeout)
-    roll_back = _roll_back(service, unit, env_file, current, last_good)
+    check = _serving_check(base_url, service, timeout, presets)
+    files = _VersionFiles(unit, env_file, current, presets)
+    roll_back = _roll_back(service, files, last_good)
     # Values reach messages as printf arguments, never inside double quotes.
     yield (
         check
@@ -209,7 +251,7 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
             higher; None, the error logged, when a reply has no timings."""
             replies = []
             for _ in range(pace.RUNS):
-                command = StringCommand(pace.decode_command(base_url))
+                command = StringCommand(pace.decode_command(base_url, probe_model))
                 replies.append(host.run_shell_command(command)[1].stdout)
             try:
                 return max(best, pace.decode_speed(replies))
@@ -229,15 +271,15 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
             stored = {"last": last_good, "new": candidate}
 
             def switch_to(version: str) -> bool:
-                drain(host, base_url, service, drain_timeout)
-                switch = _switch_to(service, unit, env_file, current, stored[version])
+                drain(host, base_url, service, drain_timeout, models=models)
+                switch = _switch_to(service, files, stored[version])
                 return logged(host, switch + f"\nserving || {{\n{roll_back}\n}}\n")
 
             speed = pace.keep_pace(
                 pace.Versions(
                     measure=lambda best: measure(host, best),
                     stash_new=lambda: logged(
-                        host, _keep_version(unit, env_file, current, candidate) + " || exit 1\n"
+                        host, _keep_version(files, candidate) + " || exit 1\n"
                     ),
                     switch_to=switch_to,
                     roll_back=lambda: logged(host, roll_back),
@@ -259,43 +301,66 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
         yield FunctionCommand(keep_pace, (), {})
     q_speed = shlex.quote(f"{last_good}/{pace.SPEED_FILE}")
     yield (
-        _keep_version(unit, env_file, current, last_good)
+        _keep_version(files, last_good)
         + f" && {{ [ ! -f {q_speed}.new ] || mv {q_speed}.new {q_speed}; }}"
         f" && rm -rf {q_good}/candidate"
         f" && printf 'llamarig: %s serves at %s\\n' {q_service} {q_url}"
     )
 
 
-def _keep_version(unit: str, env_file: str, current: str, directory: str) -> str:
-    """A shell command that copies the unit, environment file and `current` link's target
-    into ``directory`` (files ``unit``, ``env``, ``current``), each replaced whole; what
-    ``_switch_to`` puts back."""
-    q_unit, q_env, q_current, q_dir = (
-        shlex.quote(value) for value in (unit, env_file, current, directory)
+@dataclass(frozen=True)
+class _VersionFiles:
+    """What makes a version of the server besides its build: the unit, its environment file,
+    the `current` link and, on a router, the presets file."""
+
+    unit: str
+    env_file: str
+    current: str
+    presets: str | None = None
+
+    @property
+    def copies(self) -> list[tuple[str, str]]:
+        """(kept file name, path) of each file copied whole."""
+        kept = [("unit", self.unit), ("env", self.env_file)]
+        return kept + ([("presets", self.presets)] if self.presets else [])
+
+
+def _keep_version(files: _VersionFiles, directory: str) -> str:
+    """A shell command that copies the version's files and the `current` link's target into
+    ``directory`` (files ``unit``, ``env``, ``presets``, ``current``), each replaced whole;
+    what ``_switch_to`` puts back."""
+    q_dir, q_current = shlex.quote(directory), shlex.quote(files.current)
+    copies = "".join(
+        f" && cp {shlex.quote(path)} {q_dir}/{name}.new" for name, path in files.copies
     )
+    names = " ".join([name for name, _ in files.copies] + ["current"])
     return (
-        f"mkdir -p {q_dir}"
-        f" && cp {q_unit} {q_dir}/unit.new && cp {q_env} {q_dir}/env.new"
+        f"mkdir -p {q_dir}{copies}"
         f" && readlink {q_current} > {q_dir}/current.new"
-        f" && for f in unit env current; do mv {q_dir}/$f.new {q_dir}/$f; done"
+        f" && for f in {names}; do mv {q_dir}/$f.new {q_dir}/$f; done"
     )
 
 
-def _switch_to(service: str, unit: str, env_file: str, current: str, source: str) -> str:
-    """Shell lines that install the unit, environment file and `current` link kept in
-    ``source`` (files ``unit``, ``env``, ``current``) and restart the service."""
-    q_unit, q_env, q_current, q_source = (
-        shlex.quote(value) for value in (unit, env_file, current, source)
+def _switch_to(service: str, files: _VersionFiles, source: str) -> str:
+    """Shell lines that install the files and `current` link kept in ``source`` and restart
+    the service."""
+    q_source, q_current = shlex.quote(source), shlex.quote(files.current)
+    # A version kept before the rig had several models has no presets file (nor needs one).
+    copies = " && ".join(
+        f"{{ [ ! -f {q_source}/{name} ] || cp {q_source}/{name} {shlex.quote(path)}; }}"
+        if name == "presets"
+        else f"cp {q_source}/{name} {shlex.quote(path)}"
+        for name, path in files.copies
     )
     return f"""
-cp {q_source}/unit {q_unit} && cp {q_source}/env {q_env} \\
+{copies} \\
   && ln -sfn "$(cat {q_source}/current)" {q_current}.new && mv -T {q_current}.new {q_current}
 systemctl daemon-reload
 {restart_command(service)}
 """.strip("\n")
 
 
-def _roll_back(service: str, unit: str, env_file: str, current: str, last_good: str) -> str:
+def _roll_back(service: str, files: _VersionFiles, last_good: str) -> str:
     """Shell lines (after a ``serving`` function) that put the last version that served back,
     restart it, say whether it serves and exit 1 (the run fails)."""
     q_good = shlex.quote(last_good)
@@ -305,7 +370,7 @@ if [ ! -f {q_good}/current ]; then
   exit 1
 fi
 started=$(date +%s)
-{_switch_to(service, unit, env_file, current, last_good)}
+{_switch_to(service, files, last_good)}
 date -u +%Y-%m-%dT%H:%M:%SZ > {shlex.quote(deploy_record.ROLLED_BACK_PATH)} || true
 if serving; then
   echo "llamarig: rolled back: the last version that served ($(cat {q_good}/current)) serves" \\
@@ -541,7 +606,7 @@ exit 1
 
 
 @operation(is_idempotent=False)
-def check_serving(unit: str, base_url: str):
+def check_serving(unit: str, base_url: str, models: tuple[str, ...] = ()):
     """
     Fail unless the unit is active, ``/health`` answers 200 and a 4-token completion succeeds
     (the ``ServerProbe`` fact, from the host itself, every request bounded; with every slot
@@ -550,6 +615,8 @@ def check_serving(unit: str, base_url: str):
 
     + unit: the server's unit, e.g. ``llama-server.service``
     + base_url: e.g. ``http://127.0.0.1:8080``
+    + models: a router's model names: the slots of the loaded ones are counted, the completion
+      asks one with an idle slot, and none loaded passes (each loads at its first request)
 
     **Example:**
 
@@ -558,7 +625,7 @@ def check_serving(unit: str, base_url: str):
         check_serving(unit="llama-server.service", base_url="http://127.0.0.1:8080")
     """
     active = known(UnitState, unit=unit)["active"]
-    probe = host.get_fact(ServerProbe, base_url=base_url)
+    probe = host.get_fact(ServerProbe, base_url=base_url, models=tuple(models))
     problems = []
     if not active:
         problems.append(f"{unit} is not active (systemctl status {unit})")
@@ -573,6 +640,12 @@ def check_serving(unit: str, base_url: str):
         problems.append(f"a 4-token {base_url}/completion did not succeed within {PROBE_MAX_S} s")
     if problems:
         yield fail_command("; ".join(problems))
+        return
+    if not probe["loaded"]:
+        host.noop(
+            f"{unit} active, /health 200, no model loaded ({', '.join(models)}: each loads at "
+            "its first request)"
+        )
         return
     if probe["completion_ok"] is None:
         host.noop(

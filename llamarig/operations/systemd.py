@@ -23,21 +23,30 @@ DRAIN_REPORT_S = 10
 
 
 def drain(
-    host, base_url: str, service: str, timeout: int, server_host=None, restarting: str = "it"
+    host,
+    base_url: str,
+    service: str,
+    timeout: int,
+    server_host=None,
+    restarting: str = "it",
+    models: tuple[str, ...] = (),
 ) -> None:
     """Wait until no slot of the llama-server at ``base_url`` processes a request, at most
     ``timeout`` seconds, saying what it waits for; llama-server has no graceful stop (SIGTERM
     ends the requests in flight), so this is the drain. Returns at once when ``timeout`` is 0
     (server.drain_timeout: do not wait), when nothing is busy or when /slots does not answer (a
     server that is down or hung has nothing to finish). ``server_host``: the host the server
-    runs on, where /slots is asked (default ``host``); ``restarting``: what restarts after."""
+    runs on, where /slots is asked (default ``host``); ``restarting``: what restarts after;
+    ``models``: a router's model names (the slots of each loaded one)."""
     if timeout <= 0:
         return
     server_host = server_host or host
     started = time.monotonic()
     reported = None
     while True:
-        _, output = server_host.run_shell_command(StringCommand(slot_counts_command(base_url)))
+        _, output = server_host.run_shell_command(
+            StringCommand(slot_counts_command(base_url, models))
+        )
         lines = output.stdout_lines
         total, busy = parse_slot_counts(lines[-1] if lines else "")
         waited = time.monotonic() - started
@@ -74,6 +83,7 @@ def restart_service(
     drain_timeout: int = 0,
     drain_host: str | None = None,
     drain_service: str | None = None,
+    drain_models: tuple[str, ...] = (),
 ):
     """
     Restart a systemd service on purpose: its start rate limit (meant for crash loops) is
@@ -86,6 +96,7 @@ def restart_service(
     + drain_host, drain_service: the inventory host that llama-server runs on and its unit,
       when it is not this host's ``service`` (an RPC worker drains its head's server, whose
       requests end when the worker goes away); reached over its own connection
+    + drain_models: a router's model names, whose loaded ones' slots the drain waits for
 
     **Example:**
 
@@ -101,7 +112,7 @@ def restart_service(
 
         def drained(state, host) -> bool:
             if not drain_host:
-                drain(host, drain_url, service, drain_timeout)
+                drain(host, drain_url, service, drain_timeout, models=drain_models)
                 return True
             server_host = connected_host(
                 state, drain_host, f"to drain it before {service} restarts"

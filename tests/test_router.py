@@ -1,0 +1,190 @@
+"""Several models behind one llama-server (issue 30) without a host: `models:` checked as each
+model would be alone, every mistake named by its entry's key path; each entry seen as a
+one-model rig; the presets file and the router's command line; the worst case of the models
+loaded at once planned on the GPUs; a one-model rig's unit as it was before.
+test_sandbox_router serves it for real."""
+
+from __future__ import annotations
+
+import copy
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llamarig import render
+from llamarig.config import ConfigError, load_inventory
+from llamarig.gguf_header import read_gguf_header_file
+from llamarig.model.catalog import model_views, with_views
+from llamarig.plan import plan_host
+from llamarig.router import PlannedModel, loaded_at_once
+from tests.conftest import PROJECT
+from tests.ggufmodels import Qwen35Shape, write_qwen35
+
+SHA = "a" * 64
+ROUTER = f"""\
+all:
+  hosts:
+    rig1:
+      ssh: {{host: 192.0.2.1, user: root}}
+      llama_cpp: {{backend: cpu}}
+      server: {{threads: 2, models_max: 2, idle_unload_seconds: 600}}
+      models:
+        - name: chat
+          url: https://example.org/chat.Q4_K_M.gguf
+          sha256: "{SHA}"
+          load_on_startup: true
+          server: {{ctx: 8192, parallel: 4, spec: {{type: [ngram-mod]}}}}
+          expect:
+            answers: [{{prompt: "Capital of France?", chat: true, contains: Paris}}]
+        - name: code.small
+          path: /srv/models/code.gguf
+          server: {{ctx: 2048, kv_unified: true, chat_template_kwargs: {{enable_thinking: false}}}}
+"""
+
+
+def load(tmp_path: Path, text: str) -> dict:
+    path = tmp_path / "hosts.yml"
+    path.write_text(text)
+    return load_inventory(path).hosts["rig1"].data
+
+
+def refused(tmp_path: Path, text: str) -> list[str]:
+    path = tmp_path / "hosts.yml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as caught:
+        load_inventory(path)
+    return caught.value.problems
+
+
+def test_each_entry_is_a_one_model_rig_with_its_own_settings(tmp_path):
+    data = load(tmp_path, ROUTER)
+    chat, code = model_views(data)
+    assert (chat.name, chat.load_on_startup, code.load_on_startup) == ("chat", True, False)
+    assert chat.data["model"]["url"] == "https://example.org/chat.Q4_K_M.gguf"
+    assert code.data["model"]["path"] == "/srv/models/code.gguf"
+    assert (chat.data["server"]["ctx"], chat.data["server"]["parallel"]) == (8192, 4)
+    # What an entry leaves out is the rig's; a nested setting merges key by key.
+    assert code.data["server"]["parallel"] == data["server"]["parallel"]
+    assert chat.data["server"]["spec"] == {"type": ["ngram-mod"], "draft_max": None}
+    assert chat.data["expect"]["answers"][0]["contains"] == "Paris"
+    assert code.data["expect"]["answers"] == [] and code.data["models"] == []
+
+
+def test_the_router_runs_every_model_from_its_preset(tmp_path):
+    data = load(tmp_path, ROUTER)
+    for model in data["models"]:
+        model.setdefault("server", {})["split_mode"] = "none"
+    data["server"]["split_mode"] = "none"
+    args = render.server_args(data)
+    assert args == [
+        "/opt/llamarig/current/bin/llama-server", "--host", "127.0.0.1", "--port", "8080",
+        "--models-preset", "/etc/llamarig/llama-server.presets.ini", "--models-max", "2",
+        "--sleep-idle-seconds", "600", "--metrics",
+    ]  # fmt: skip
+    text = render.render_presets(data)
+    sections = re.split(r"^\[(.+)\]$", text, flags=re.MULTILINE)
+    # Those loaded at startup last (the deploy's check loads them in this order).
+    assert sections[1::2] == ["code.small", "chat"]
+    chat = dict(line.split(" = ", 1) for line in sections[4].split("\n") if " = " in line)
+    assert chat["m"] == "/opt/llamarig/models/chat.Q4_K_M.gguf"
+    assert (chat["c"], chat["np"], chat["t"], chat["spec-type"]) == ("8192", "4", "2", "ngram-mod")
+    assert chat["load-on-startup"] == "true" and "kvu" not in chat
+    code = dict(line.split(" = ", 1) for line in sections[2].split("\n") if " = " in line)
+    assert code["kvu"] == "true" and code["chat-template-kwargs"] == '{"enable_thinking":false}'
+    assert code["load-on-startup"] == "false"
+    # The check against the binary's --help covers every preset key.
+    assert {"-m", "-c", "-np", "-kvu", "--spec-type"} <= set(render.preset_flags(data))
+    assert render.layout(data)["model"] == "/etc/llamarig/llama-server.presets.ini"
+
+
+@pytest.mark.parametrize(
+    ("change", "key", "words"),
+    [
+        (("- name: code.small", "- name: chat"), "models.1.name", "also models[0]'s name"),
+        (("- name: code.small", "- name: -code"), "models.1.name", "a letter or digit"),
+        (('          sha256: "' + SHA + '"\n', ""), "models.0", "sha256"),
+        (("      server: {threads", "      model: {path: /m.gguf}\n      server: {threads"),
+         "model.path", "`model:` or `models:`, not both"),
+        (("      server: {threads", "      server: {alias: x, threads"), "server.alias",
+         "each entry's `name`"),
+        (("          server: {ctx: 2048", "          server: {ctx: 0"), "models.1.server.ctx", ""),
+        (("          path: /srv/models/code.gguf", "          path: /srv/models/c;de.gguf"),
+         "models.1.path", "holds ; or #"),
+        (("enable_thinking: false", 'note: "a # b"'), "models.1.server.chat_template_kwargs",
+         "cannot carry"),
+        (("          server: {ctx: 2048", "          server: {port: 9, ctx: 2048"),
+         "models.1.server", "port"),
+    ],
+)  # fmt: skip
+def test_a_wrong_entry_is_refused_by_its_key_path(tmp_path, change, key, words):
+    text = ROUTER.replace(*change)
+    assert text != ROUTER
+    problems = refused(tmp_path, text)
+    named = [p for p in problems if f"hosts.rig1.{key}" in p]
+    assert named and all(words in p for p in named[:1]), problems
+
+
+def test_router_settings_without_models_are_refused(tmp_path):
+    text = (
+        (PROJECT / "inventory" / "hosts.yml")
+        .read_text()
+        .replace(
+            "            split_mode: none\n",
+            "            split_mode: none\n            models_max: 2\n",
+        )
+    )
+    problems = refused(tmp_path, text)
+    assert any("server.models_max: has no effect without `models:`" in p for p in problems)
+
+
+def test_a_one_model_rig_renders_the_unit_it_rendered_before_routers():
+    """The units and environment files of the shipped one-model rigs, as rendered at 41ad331
+    (before `models:`): sha256 of each. A deliberate change to the unit updates them."""
+    expected = {
+        ("hosts", "sandbox"): "4499dc87eb416cca6d674089b5a9c8a0c9992d426962318138afdc923d520446",
+        ("example-5080-3090", "rig1"): (
+            "6a5f74e40b7320c85fd3c35336dede4e3b7b20c3ff61b6ab118ee8732945d0e6"
+        ),
+    }
+    for (inventory, host), digest in expected.items():
+        data = load_inventory(PROJECT / "inventory" / f"{inventory}.yml").hosts[host].data
+        if data["server"]["split_mode"] == "auto":
+            data["server"]["split_mode"] = "layer"
+        assert render.sha256_text(render.render_unit(data)) == digest, inventory
+
+
+@pytest.fixture(scope="module")
+def qwen_header(tmp_path_factory):
+    path = tmp_path_factory.mktemp("models") / "qwen36-27b-q8_0.gguf"
+    write_qwen35(path, Qwen35Shape(), "q8_0")
+    return read_gguf_header_file(path)
+
+
+def test_the_models_loaded_at_once_must_fit_together_on_the_gpus(qwen_header):
+    """The seed rig (5080 + 3090) with its 27B Q8_0 twice: each fits alone, both at once do
+    not; with models_max 1 the router never holds both, and the plan fits."""
+    seed = load_inventory(PROJECT / "inventory" / "example-5080-3090.yml").hosts["rig1"].data
+    rig = copy.deepcopy(seed)
+    entry = {key: value for key, value in seed["model"].items() if value is not None}
+    rig["models"] = [{**entry, "name": "qwen-a"}, {**entry, "name": "qwen-b", "filename": "b.gguf"}]
+    planned = []
+    for view in model_views(rig):
+        plan = plan_host("rig1", view.data, qwen_header)
+        assert plan.fits, plan.report()
+        planned.append(PlannedModel(view, plan))
+    both = loaded_at_once(planned, None)
+    assert both.names == ["qwen-a", "qwen-b"] and not both.fits
+    (problem,) = both.problems
+    assert "(qwen-a, qwen-b) do not fit together" in problem
+    assert re.search(r"NVIDIA GeForce RTX \d+ lacks \d+ MiB", problem), problem
+    one = loaded_at_once(planned, 1)
+    assert one.fits and one.names == ["qwen-a"]
+    alone = planned[0].plan.memory.devices
+    assert [need for _, need, _ in one.devices.values()] == [d.need_mib for d in alone]
+    assert "deficit" in both.table()
+    # The plan of the rig carries each model's resolved settings back into its entry.
+    resolved = with_views(rig, [p.view for p in planned])
+    assert resolved["models"][1]["server"]["ctx"] == planned[1].plan.resolved["server"]["ctx"]
+    assert yaml.safe_dump(resolved)  # plain data, as the deploy record keeps it

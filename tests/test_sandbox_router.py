@@ -1,0 +1,165 @@
+"""Several models behind one llama-server (issue 30), for real on a sandbox rig: SmolLM2 and
+the random-weight test model served by llama-server's router mode under the hardened unit,
+from a presets file llamarig writes. Both are listed by GET /v1/models under their names and
+answer a request each (SmolLM2: Paris, asked by the deploy through the router, and by the
+OpenAI client); a second converge changes nothing and `llamarig verify` checks each model's
+answers; a third entry (SmolLM2's file under another name and context) downloads nothing and
+touches no other model's file, and the converge after it changes nothing.
+
+Stand-ins as in test_sandbox_converge: the models come from the loopback file server, llama.cpp
+from a git daemon mirror. Needs root, systemd-nspawn and debootstrap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests import sandboxes
+from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
+
+if os.geteuid() != 0:
+    pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
+
+NAME, SSH_PORT, SERVER_PORT = "sandbox-router", 2234, 8100
+BASE_URL = f"http://127.0.0.1:{SERVER_PORT}"
+SMOLLM2_FILE = "/opt/llamarig/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+# SmolLM2 cut after 20 MB: its header reads (the plan is made), its tensors do not load.
+BROKEN_FILE = "/srv/broken.gguf"
+
+
+def inventory(path: Path, info, third: bool = False, broken: bool = False) -> Path:
+    """The demo rig with its model and answers moved into `models:`, beside the test model."""
+
+    def edit(rig: dict) -> None:
+        smollm2 = {"name": "smollm2", **rig.pop("model"), "load_on_startup": True}
+        smollm2["expect"] = {"answers": rig.pop("expect")["answers"]}
+        tiny = {
+            "name": "tiny-random",
+            "url": info.test_model_url,
+            "sha256": info.test_model_sha256,
+            "server": {"ctx": 1024, "parallel": 1},
+        }
+        rig["models"] = [smollm2, tiny]
+        if third:
+            rig["models"].append(
+                {**{k: v for k, v in smollm2.items() if k != "expect"}, "name": "smollm2-short",
+                 "load_on_startup": False, "server": {"ctx": 512, "parallel": 1}}
+            )  # fmt: skip
+        if broken:
+            rig["models"].append({"name": "broken", "path": BROKEN_FILE})
+        rig["server"].update(port=SERVER_PORT, threads=1)
+        sandboxes.speed_unmeasured(rig)
+
+    return sandboxes.demo_rig_inventory(path, NAME, SSH_PORT, edit)
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory):
+    sandbox = fresh_sandbox(NAME, "trixie", SSH_PORT)
+    info = next(sandbox)
+    yield info, tmp_path_factory.mktemp("router")
+    next(sandbox, None)  # takes the sandbox down
+
+
+def request(path: str, body: dict | None = None) -> dict:
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    with urllib.request.urlopen(
+        urllib.request.Request(BASE_URL + path, data, headers), timeout=300
+    ) as reply:
+        return json.load(reply)
+
+
+def file_identities(info) -> str:
+    return in_sandbox(info, "stat -c '%n %i %Y' /opt/llamarig/models/*.gguf")
+
+
+def test_one_router_serves_both_models_by_name(rig):
+    info, directory = rig
+    path = inventory(directory / "router.yml", info)
+    result = sandboxes.deploy(path)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    # The deploy asked SmolLM2's answer of the router, by the model's name.
+    assert re.search(r"1 expected answer\(s\) right at \S+", output), output[-3000:]
+
+    unit = in_sandbox(info, "systemctl cat llama-server.service")
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    assert "--models-preset /etc/llamarig/llama-server.presets.ini" in exec_start
+    assert " -m " not in exec_start and " -c " not in exec_start, exec_start
+    presets = in_sandbox(info, "cat /etc/llamarig/llama-server.presets.ini")
+    assert "[smollm2]" in presets and "[tiny-random]" in presets, presets
+    assert f"m = {SMOLLM2_FILE}" in presets and "c = 1024" in presets, presets
+
+    listed = [model["id"] for model in request("/v1/models")["data"]]
+    assert sorted(listed) == ["smollm2", "tiny-random"], listed
+    question = {"role": "user", "content": "What is the capital of France? Answer in one word."}
+    reply = request(
+        "/v1/chat/completions",
+        {"model": "smollm2", "messages": [question], "max_tokens": 16, "temperature": 0},
+    )
+    assert "Paris" in reply["choices"][0]["message"]["content"], reply
+    # The test model's weights are random: it answers, with nonsense.
+    reply = request("/completion", {"model": "tiny-random", "prompt": "Hello", "n_predict": 8})
+    assert reply["tokens_predicted"] == 8, reply
+
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{BASE_URL}/v1", api_key="no-key", timeout=300, max_retries=0)
+    answer = client.chat.completions.create(
+        model="smollm2", messages=[question], max_tokens=16, temperature=0
+    )
+    assert "Paris" in answer.choices[0].message.content, answer
+
+    assert changed_operations(sandboxes.converge(path)) == []
+    verified = sandboxes.verify(path, "-v")
+    assert verified.returncode == 0, verified.stdout[-4000:]
+    assert re.search(
+        r"test_expected_answer\[models\[0\]\.answers\[0\]\S*\] PASSED", verified.stdout
+    ), verified.stdout[-4000:]
+
+
+def test_a_third_model_fetches_nothing_and_touches_no_other_models_file(rig):
+    info, directory = rig
+    before = file_identities(info)
+    path = inventory(directory / "router3.yml", info, third=True)
+    applied = changed_operations(sandboxes.converge(path))
+    assert any(op.startswith("Model presets") for op in applied), applied
+    assert not [op for op in applied if op.startswith(("Model /", "Checksum of"))], applied
+    assert file_identities(info) == before
+    listed = sorted(model["id"] for model in request("/v1/models")["data"])
+    assert listed == ["smollm2", "smollm2-short", "tiny-random"], listed
+    reply = request("/completion", {"model": "smollm2-short", "prompt": "Paris is", "n_predict": 4})
+    assert reply["tokens_predicted"] == 4, reply
+    assert changed_operations(sandboxes.converge(path)) == []
+
+
+def test_a_model_that_does_not_load_rolls_the_router_back_naming_it(rig):
+    info, directory = rig
+    in_sandbox(info, f"head -c 20000000 {SMOLLM2_FILE} > {BROKEN_FILE}")
+    result = sandboxes.deploy(inventory(directory / "broken.yml", info, third=True, broken=True))
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    assert "/completion of model broken failed" in output, output[-4000:]
+    assert "rolled back: the last version that served" in output, output[-4000:]
+    # The presets that served are back, and so is every model in them.
+    presets = in_sandbox(info, "cat /etc/llamarig/llama-server.presets.ini")
+    assert "[broken]" not in presets and "[smollm2-short]" in presets, presets
+    listed = sorted(model["id"] for model in request("/v1/models")["data"])
+    assert listed == ["smollm2", "smollm2-short", "tiny-random"], listed
+    question = {"role": "user", "content": "What is the capital of France? Answer in one word."}
+    reply = request(
+        "/v1/chat/completions",
+        {"model": "smollm2", "messages": [question], "max_tokens": 16, "temperature": 0},
+    )
+    assert "Paris" in reply["choices"][0]["message"]["content"], reply
+    # The rig data without the broken entry is what serves: nothing to change.
+    assert changed_operations(sandboxes.converge(directory / "router3.yml")) == []
