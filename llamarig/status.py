@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 
 from llamarig import checksums, deploy_record, hostpaths, render
 from llamarig.config import HostConfig
+from llamarig.model.catalog import is_router, model_views
 from llamarig.model.reference import HubError
 from llamarig.progress import format_duration
 from llamarig.remote import SshTarget, host_plan
@@ -68,6 +69,10 @@ class HostStatus:
     gpus: list[GpuRow] = field(default_factory=list)
     plan_note: str | None = None  # why the GPUs are not compared with the plan
     last_deploy: dict | None = None
+    # A router (`models:`): each model's state as the router tells it (loaded, sleeping,
+    # unloaded, loading; "unloaded, failed (exit N)" after a load that failed).
+    models: dict[str, str] = field(default_factory=dict)
+    router: bool = False
 
 
 def probe_command(data: dict, window: float) -> str:
@@ -99,7 +104,9 @@ def probe_command(data: dict, window: float) -> str:
         section("current"),
         f"readlink -- {shlex.quote(paths['current'])}",
     ]
-    if not worker:
+    if is_router(data):
+        lines += [section("models"), f"{curl} {shlex.quote(f'{base}/models')} 2>&1; echo"]
+    elif not worker:
         lines += [
             section("model"),
             checksums.read_command(paths["model"]),
@@ -208,7 +215,9 @@ def parse(name: str, data: dict, output: str) -> HostStatus:
     current = _BUILD_IN_PATH.search((found.get("current") or [""])[0] + "/bin/")
     row.build_running = running.group(1) if running else None
     row.build_current = current.group(1) if current else None
-    if not worker:
+    if is_router(data):
+        _router_fields(row, data, found)
+    elif not worker:
         _server_fields(row, data, found)
     for line in found.get("gpus", []):
         parts = [part.strip() for part in line.split(",")]
@@ -216,6 +225,30 @@ def parse(name: str, data: dict, output: str) -> HostStatus:
             row.gpus.append(GpuRow(int(parts[0]), int(parts[1]), int(parts[2])))
     row.last_deploy = deploy_record.parse("\n".join(found.get("deploy", [])))
     return row
+
+
+def _router_fields(row: HostStatus, data: dict, found: dict[str, list[str]]) -> None:
+    """A router's models and their states, from its /models (which loads none)."""
+    names = [view.name for view in model_views(data)]
+    row.router = True
+    row.model_name = f"{len(names)} models"
+    row.model_file = render.layout(data)["presets"]
+    text = "\n".join(found.get("models", [])).strip()
+    try:
+        listed = json.loads(text)["data"]
+        states = {entry["id"]: entry.get("status") or {} for entry in listed}
+    except (ValueError, KeyError, TypeError):
+        row.server_note = f"no answer from {render.base_url(data)}/models: {text[-200:]}"
+        return
+    for name in names:
+        state = states.get(name)
+        if state is None:
+            row.models[name] = "not listed by the router (deployed with another presets file?)"
+            continue
+        value = str(state.get("value", "unknown"))
+        if state.get("failed"):
+            value += f", failed (exit {state.get('exit_code')})"
+        row.models[name] = value
 
 
 def _server_fields(row: HostStatus, data: dict, found: dict[str, list[str]]) -> None:
@@ -335,9 +368,13 @@ def report(row: HostStatus) -> str:
     if row.build_current and row.build_current != row.build_running:
         build += f" (deployed: {row.build_current}; a restart would switch to it)"
     lines.append(f"  build    {build}")
-    if row.model_name:
+    if row.router:
+        lines.append(f"  models   {row.model_name} from {row.model_file}")
+    elif row.model_name:
         digest = (row.model_sha256 or "")[:12] or "no sha256"
         lines.append(f"  model    {row.model_name}  {row.model_file}  sha256 {digest}")
+    for name, state in row.models.items():
+        lines.append(f"  model    {name}: {state}")
     if row.slots_total is not None:
         queued = f", {row.requests_deferred} waiting" if row.requests_deferred else ""
         lines.append(f"  slots    {row.slots_busy} of {row.slots_total} busy{queued}")

@@ -120,6 +120,12 @@ def test_one_router_serves_both_models_by_name(rig):
     assert "Paris" in answer.choices[0].message.content, answer
 
     assert changed_operations(sandboxes.converge(path)) == []
+    status = sandboxes.llamarig(path, "status", "--window", "1")
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert "models   2 models from /etc/llamarig/llama-server.presets.ini" in status.stdout
+    # The deploy's check after the start loaded both; the router tells each one's state.
+    assert "model    smollm2: loaded" in status.stdout, status.stdout
+    assert "model    tiny-random: loaded" in status.stdout, status.stdout
     verified = sandboxes.verify(path, "-v")
     assert verified.returncode == 0, verified.stdout[-4000:]
     assert re.search(
@@ -155,6 +161,8 @@ def test_a_model_that_does_not_load_rolls_the_router_back_naming_it(rig):
     assert "[broken]" not in presets and "[smollm2-short]" in presets, presets
     listed = sorted(model["id"] for model in request("/v1/models")["data"])
     assert listed == ["smollm2", "smollm2-short", "tiny-random"], listed
+    status = sandboxes.llamarig(directory / "router3.yml", "status", "--window", "1")
+    assert "model    smollm2-short: " in status.stdout, status.stdout
     question = {"role": "user", "content": "What is the capital of France? Answer in one word."}
     reply = request(
         "/v1/chat/completions",
