@@ -7,14 +7,20 @@ test_sandbox_router serves it for real."""
 from __future__ import annotations
 
 import copy
+import json
 import re
+import subprocess
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from threading import Thread
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
 
 from llamarig import render
 from llamarig.config import ConfigError, load_inventory
+from llamarig.facts import ServerProbe, slot_counts_command
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.model.catalog import model_views, with_views
 from llamarig.plan import plan_host
@@ -188,3 +194,67 @@ def test_the_models_loaded_at_once_must_fit_together_on_the_gpus(qwen_header):
     resolved = with_views(rig, [p.view for p in planned])
     assert resolved["models"][1]["server"]["ctx"] == planned[1].plan.resolved["server"]["ctx"]
     assert yaml.safe_dump(resolved)  # plain data, as the deploy record keeps it
+
+
+class _Router(BaseHTTPRequestHandler):
+    """A router as the probes see it: `a` loaded with 2 slots (1 busy), `b` not loaded."""
+
+    completions: list[dict] = []
+
+    def do_GET(self):
+        url = urlparse(self.path)
+        query = parse_qs(url.query)
+        if url.path == "/health":
+            return self._reply(200, {"status": "ok"})
+        if url.path == "/slots" and query.get("autoload") == ["false"]:
+            if query.get("model") == ["a"]:
+                return self._reply(200, [{"id": 0, "is_processing": True},
+                                         {"id": 1, "is_processing": False}])  # fmt: skip
+            return self._reply(400, {"error": {"message": "model is not loaded"}})
+        return self._reply(400, {"error": {"message": "model name is missing"}})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _Router.completions.append(body)
+        self._reply(200, {"content": " hi", "timings": {"predicted_per_second": 50.0}})
+
+    def _reply(self, status, body):
+        data = json.dumps(body, separators=(",", ":")).encode()  # compact, as llama-server
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_probes_count_only_loaded_models_and_complete_on_an_idle_one():
+    """The slot count and the no-op probe, run by a real shell against a stand-in router on
+    loopback (port 0): an unloaded model is neither counted nor loaded (autoload=false), and
+    the probe's completion goes to the loaded model with an idle slot."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Router)
+    Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        counted = subprocess.run(
+            ["sh", "-c", slot_counts_command(base, ("b", "a"))], capture_output=True, text=True
+        )
+        assert counted.stdout.strip().splitlines()[-1] == "slots 2 1"
+        _Router.completions.clear()
+        probe = ServerProbe()
+        output = subprocess.run(
+            ["sh", "-c", probe.command(base, ("b", "a"))], capture_output=True, text=True
+        ).stdout
+        found = probe.process(output.splitlines())
+        assert found == {"health": 200, "slots": 2, "busy": 1, "completion_ok": True,
+                         "loaded": True, "tokens_per_second": 50.0}  # fmt: skip
+        assert [body["model"] for body in _Router.completions] == ["a"]
+        # Nothing loaded: no completion, and the probe says so.
+        output = subprocess.run(
+            ["sh", "-c", probe.command(base, ("b",))], capture_output=True, text=True
+        ).stdout
+        assert probe.process(output.splitlines())["loaded"] is False
+        assert len(_Router.completions) == 1
+    finally:
+        server.shutdown()
