@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.load_gpu import stop  # noqa: E402
 from llamarig import render  # noqa: E402
 from llamarig.config import load_inventory  # noqa: E402
 from llamarig.gguf_header import read_gguf_header_file  # noqa: E402
@@ -117,15 +117,6 @@ def start(binary: Path, presets: Path, most: int, log: Path) -> subprocess.Popen
         except OSError:
             time.sleep(0.5)
     raise RuntimeError(f"the router did not answer /health: see {log}")
-
-
-def stop(router: subprocess.Popen) -> None:
-    os.killpg(router.pid, signal.SIGTERM)
-    try:
-        router.wait(120)
-    except subprocess.TimeoutExpired:
-        os.killpg(router.pid, signal.SIGKILL)
-        router.wait()
 
 
 def both_loaded(binary: Path, models: Path, out: Path) -> dict:

@@ -21,6 +21,7 @@ from llamarig.config.problems import Problem, located
 from llamarig.entry import host_entry, inventory_document, probe, render_entry
 from llamarig.facts import PROBE_CONNECT_S
 from llamarig.gguf_header import GgufError
+from llamarig.model.catalog import MODEL_NAME, model_views
 from llamarig.model.lock import lock_path, record_header, resolved
 from llamarig.model.reference import HubError
 from llamarig.plan import HostPlan
@@ -125,6 +126,14 @@ def _complete(args: argparse.Namespace) -> int:
     for name, host_config in hosts.items():
         data = host_config.data
         path, body = answers.greedy_request(args.prompt, args.chat, args.tokens)
+        names = [view.name for view in model_views(data)]
+        if args.model and args.model not in names:
+            served = f"serves {', '.join(names)}" if names else "serves one model (`model:`)"
+            print(f"{name}: --model {args.model}: the host {served}", file=sys.stderr)
+            status = 2
+            continue
+        if names:  # a router routes by the request's model: the one asked, else the first
+            body = {"model": args.model or names[0], **body}
         url = shlex.quote(render.base_url(data) + path)
         curl = (
             f"curl -sS -f --connect-timeout {PROBE_CONNECT_S} --max-time {COMPLETE_TIMEOUT_S} "
@@ -421,6 +430,15 @@ def _host_name(text: str) -> str:
     return text
 
 
+def _model_name(text: str) -> str:
+    """--model: a name as `models:` entries are named (refused before the inventory)."""
+    if not MODEL_NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a model's name: a letter or digit, then letters, digits and ._-"
+        )
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -475,6 +493,11 @@ def main(argv: list[str] | None = None) -> int:
     complete_parser.add_argument("--host", type=_host_name, help="only this host")
     complete_parser.add_argument("--prompt", type=_prompt, default="The llama is an animal that")
     complete_parser.add_argument("--tokens", type=_tokens, default=16)
+    complete_parser.add_argument(
+        "--model",
+        type=_model_name,
+        help="on a rig of several models (`models:`), the one to ask (default: the first)",
+    )
     complete_parser.add_argument(
         "--chat",
         action="store_true",

@@ -31,6 +31,7 @@ import yaml
 from llamarig import hostpaths, render, throughput
 from llamarig.config import HostConfig
 from llamarig.config.inventory import load_inventory, tuned_path
+from llamarig.model.catalog import is_router
 from llamarig.model.lock import resolved
 from llamarig.model.reference import HubError
 from llamarig.plan import HostPlan, plan_host, roofline_tps
@@ -777,6 +778,11 @@ def tune_host(
     ``throughput``: many clients at once, through llama-server) and write its tuned file;
     returns the file. Raises TuneError."""
     name = host_config.name
+    if is_router(host_config.data):
+        raise TuneError(
+            f"{name} serves several models (`models:`): tune measures one model's server; "
+            "tune a rig of that model alone, then copy the settings into its entry"
+        )
     if host_config.data["role"] == "rpc-worker":
         raise TuneError(f"{name} is an rpc-worker: tune its head, which runs the model")
     if goal == "decode" and "llama-bench" not in host_config.data["llama_cpp"]["targets"]:

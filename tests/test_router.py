@@ -258,3 +258,25 @@ def test_the_probes_count_only_loaded_models_and_complete_on_an_idle_one():
         assert len(_Router.completions) == 1
     finally:
         server.shutdown()
+
+
+def test_a_name_has_one_shape_in_the_schema_and_the_cli():
+    from llamarig.config.schema import schema
+    from llamarig.model.catalog import MODEL_NAME
+
+    pattern = schema()["properties"]["models"]["items"]["properties"]["name"]["pattern"]
+    assert pattern == f"^{MODEL_NAME.pattern}$"
+
+
+def test_the_cli_refuses_a_hostile_model_name_and_tune_a_router_rig(tmp_path, capsys):
+    from llamarig.cli import main
+    from llamarig.tune import TuneError, tune_host
+
+    with pytest.raises(SystemExit):
+        main(["complete", "--model", "chat; rm -rf /"])
+    assert "is not a model's name" in capsys.readouterr().err
+    path = tmp_path / "hosts.yml"
+    path.write_text(ROUTER)
+    host = load_inventory(path).hosts["rig1"]
+    with pytest.raises(TuneError, match=r"serves several models .* tune measures one model"):
+        tune_host(host, path, 1, False, say=lambda line: None)

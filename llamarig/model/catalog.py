@@ -5,7 +5,12 @@ and asks (`ModelView.data`), so every model goes through the same code as a one-
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
+
+# What a model's `name` may be (schema.json says the same): clients send it as `model`, and it
+# names a section of llama.cpp's presets file.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 # What an entry of `models:` takes of `model:` (how the model is named and fetched).
 MODEL_KEYS = (
