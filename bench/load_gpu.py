@@ -3,7 +3,7 @@ pinned build with 16 slots, K = 1, 2, 4, 8, 16 clients against llama-batched-ben
 build at the same batches, for the server flags that change throughput under load: the
 defaults, backend sampling (-bs) and a unified KV cache (-kvu). Run by bench/load_h200.sh.
 
-python3 bench/load_gpu.py BUILD_BIN MODEL OUT_DIR
+python3 bench/load_gpu.py BUILD_BIN MODEL OUT_DIR [VARIANT ...]
 """
 
 from __future__ import annotations
@@ -25,7 +25,17 @@ SLOTS = 16
 CTX = SLOTS * 512  # each slot holds a ~130-token prompt and 128 tokens with room to spare
 PORT = 8181
 COMMON = ["-ngl", "99", "-fa", "on", "-c", str(CTX)]
-VARIANTS = {"default": [], "backend-sampling": ["-bs"], "kv-unified": ["-kvu"]}
+VARIANTS = {
+    "default": [],
+    "backend-sampling": ["-bs"],
+    "kv-unified": ["-kvu"],
+    # The physical batch, which `tune --for throughput` sweeps: 16 clients' prompts at once.
+    "bs-ub256": ["-bs", "-ub", "256"],
+    "bs-ub1024": ["-bs", "-ub", "1024"],
+    "bs-ub2048": ["-bs", "-b", "4096", "-ub", "2048"],
+}
+# Measured unless named on the command line (LOAD_VARIANTS in bench/load_h200.sh).
+DEFAULT_VARIANTS = ("default", "backend-sampling", "kv-unified")
 CLIENTS = "1,2,4,8,16"
 
 
@@ -62,11 +72,13 @@ def main(argv: list[str]) -> int:
     binaries, model, out = Path(argv[0]), Path(argv[1]), Path(argv[2])
     out.mkdir(parents=True, exist_ok=True)
     summary = {}
-    for name, flags in VARIANTS.items():
+    for name in argv[3:] or DEFAULT_VARIANTS:
+        flags = VARIANTS[name]
         server = serve(binaries / "llama-server", model, flags, out / f"server-{name}.log")
         try:
             ceiling = [str(binaries / "llama-batched-bench"), "-m", str(model), *COMMON]
-            ceiling += ["-kvu"] if "-kvu" in flags else []
+            # The engine with the same cache and batch flags (sampling is not the engine's).
+            ceiling += [flag for flag in flags if flag != "-bs"]
             # The batched bench runs after the clients, with the server idle but loaded: both
             # fit the H200's memory many times over.
             code = load.main(

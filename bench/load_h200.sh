@@ -20,9 +20,11 @@ git --git-dir=$W/llama.cpp.git show HEAD:models/ggml-vocab-llama-bpe.gguf > $W/v
 (
   cmake -S $W/src -B $W/build -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90-real -DLLAMA_BUILD_TESTS=OFF -DLLAMA_CURL=OFF \
-    && cmake --build $W/build --target llama-server llama-batched-bench -j 16
+    && cmake --build $W/build --target llama-server llama-batched-bench -j 16 \
+    && echo "build done"
 ) > "$R/build.log" 2>&1 &
 build=$!
 [ -f $W/models/llama-8b-q8_0.gguf ] || python3 bench/models.py $W/models $W/vocab.gguf llama-8b
 wait $build
-python3 bench/load_gpu.py $W/build/bin $W/models/llama-8b-q8_0.gguf "$R"
+# LOAD_VARIANTS: which flag sets of bench/load_gpu.py (default: its DEFAULT_VARIANTS).
+python3 bench/load_gpu.py $W/build/bin $W/models/llama-8b-q8_0.gguf "$R" ${LOAD_VARIANTS:-}
