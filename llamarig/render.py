@@ -119,9 +119,9 @@ def layout(data: dict) -> dict[str, str]:
         "build_marker": str(build_dir / BUILD_COMPLETE_MARKER),
         "current": str(prefix / "current"),
         "server_binary": str(prefix / "current" / "bin" / "llama-server"),
-        # A router's model is the presets file it reads at start (each model's file is its own
-        # view's): a newer one means the running router predates it.
-        "model": presets
+        # A router reads its presets again without a restart (each model's file is its own
+        # view's): what it read at start, and must predate it, is its unit.
+        "model": f"{SYSTEMD_UNIT_DIRECTORY}/{data['server']['service']}.service"
         if is_router(data)
         else data["model"]["path"]
         or str(PurePosixPath(data["paths"]["models"]) / model_filename(data)),
@@ -179,6 +179,10 @@ def server_args(data: dict) -> list[str]:
     return args
 
 
+# The most entries `models:` may hold (schema.json's maxItems).
+MAX_MODELS = 64
+
+
 def router_args(data: dict) -> list[str]:
     """The command line of llama-server's router for a rig of several models: the listen
     address and the presets file; every model setting is in its preset (a router's own flags
@@ -188,7 +192,10 @@ def router_args(data: dict) -> list[str]:
     paths = layout(data)
     args = [paths["server_binary"], "--host", server["host"], "--port", str(server["port"])]
     args += ["--models-preset", paths["presets"]]
-    args += ["--models-max", str(server["models_max"] or len(data["models"]))]
+    # null: no bound of its own (the plan counts all of them); a number, not 0 (unlimited),
+    # which the pinned router refuses beside a model loaded at startup, and not the count of
+    # models, which would change the unit, and restart the router, when one is added.
+    args += ["--models-max", str(server["models_max"] or MAX_MODELS)]
     if server["idle_unload_seconds"]:
         args += ["--sleep-idle-seconds", str(server["idle_unload_seconds"])]
     if server["metrics"]:

@@ -121,7 +121,8 @@ def read_managed_state() -> None:
     paths = render.layout(data)
     service = f"{data['server']['service']}.service"
     small_files = [paths["unit"], paths["env_file"], paths["launcher"], paths["rpc_unit"]]
-    small_files += [paths["presets"]] if is_router(data) else []
+    if is_router(data):  # the presets, and those that last served
+        small_files += [paths["presets"], f"{paths['last_good']}/presets"]
     if data["driver"]["source"] != "none" and data["kernel_modules"]["manage"]:
         small_files += [boot.BLACKLIST_PATH, boot.MODULES_LOAD_PATH]
     requests = [(FileState, {"path": path}) for path in small_files] + [

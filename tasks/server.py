@@ -14,7 +14,7 @@ from pyinfra.operations.util import any_changed
 
 from llamarig import answers, hostpaths, operations, render, stage
 from llamarig.factcache import known
-from llamarig.facts import RunningService
+from llamarig.facts import FileState, RunningService
 from llamarig.model.catalog import model_views
 
 
@@ -102,17 +102,19 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         mode="644",
     )
     names = tuple(view.name for view in model_views(rig))
+    presets, presets_pending = None, False
     if names:
-        # The router reads it at start; the unit reads it as its user, so readable by all.
-        inputs = [
-            operations.atomic_file(
-                name=f"Model presets {paths['presets']} ({', '.join(names)})",
-                src=StringIO(render.render_presets(rig)),
-                dest=paths["presets"],
-                mode="644",
-            ),
-            *inputs,
-        ]
+        # The router reads it as the unit's user: readable by all.
+        text = render.render_presets(rig)
+        presets = operations.atomic_file(
+            name=f"Model presets {paths['presets']} ({', '.join(names)})",
+            src=StringIO(text),
+            dest=paths["presets"],
+            mode="644",
+        )
+        # Not the presets that last served (a run cut short before the reload): reload them.
+        applied = known(FileState, path=f"{paths['last_good']}/presets") or {}
+        presets_pending = applied.get("sha256") != render.sha256_text(text)
     # A run cut short after writing the unit, environment, link or model but before the
     # restart leaves the old process running: compare it with what it should run.
     running = known(RunningService, service=service, model=paths["model"])
@@ -151,6 +153,21 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         drain_timeout=server["drain_timeout"],
         drain_models=names,
     )
+    checked = [started, restarted]
+    if presets:
+        # Only the presets changed: the router reads them again; the models whose options
+        # did not change keep running, and so do the requests they serve.
+        checked.append(
+            operations.reload_presets(
+                name=f"Reload the router's presets ({', '.join(names)}; unchanged models keep "
+                "serving)",
+                base_url=render.base_url(rig),
+                _if=lambda: (
+                    (presets.did_change() or presets_pending)
+                    and not (started.did_change() or restarted.did_change())
+                ),
+            )
+        )
     operations.serve_or_roll_back(
         name=f"Wait until {service} serves (else roll back to the last version that served)",
         base_url=render.base_url(rig),
@@ -167,7 +184,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         presets=paths["presets"] if names else None,
         probe_model=_probe_model(rig),
         models=names,
-        _if=any_changed(started, restarted),
+        _if=any_changed(*checked),
     )
     plan = stage.plan()
     indices = plan.planned_gpu_indices
@@ -187,7 +204,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         operations.absent(name=f"No model presets {paths['presets']}", path=paths["presets"])
     # After the wait: a version that was rolled back leaves the launcher of the one that serves.
     _put_launcher(rig)
-    return [*inputs, started]
+    return [*inputs, *checked]
 
 
 def _probe_model(rig: dict) -> str | None:

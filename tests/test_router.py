@@ -102,7 +102,10 @@ def test_the_router_runs_every_model_from_its_preset(tmp_path):
     assert code["load-on-startup"] == "false"
     # The check against the binary's --help covers every preset key.
     assert {"-m", "-c", "-np", "-kvu", "--spec-type"} <= set(render.preset_flags(data))
-    assert render.layout(data)["model"] == "/etc/llamarig/llama-server.presets.ini"
+    # The router reads its presets again without a restart: it must predate its unit only.
+    assert render.layout(data)["model"] == "/etc/systemd/system/llama-server.service"
+    data["server"]["models_max"] = None
+    assert render.server_args(data)[7:9] == ["--models-max", str(render.MAX_MODELS)]
 
 
 @pytest.mark.parametrize(

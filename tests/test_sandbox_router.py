@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -40,6 +42,8 @@ def inventory(path: Path, info, third: bool = False, broken: bool = False) -> Pa
 
     def edit(rig: dict) -> None:
         smollm2 = {"name": "smollm2", **rig.pop("model"), "load_on_startup": True}
+        # 2,048 tokens a slot: room for a stream that outlasts a converge.
+        smollm2["server"] = {"ctx": 4096, "parallel": 2}
         smollm2["expect"] = {"answers": rig.pop("expect")["answers"]}
         tiny = {
             "name": "tiny-random",
@@ -133,12 +137,48 @@ def test_one_router_serves_both_models_by_name(rig):
     ), verified.stdout[-4000:]
 
 
-def test_a_third_model_fetches_nothing_and_touches_no_other_models_file(rig):
+def stream(model: str, tokens: int, said: dict) -> None:
+    """A streamed completion of ``tokens`` tokens; ``said`` gets the tokens, the first chunk's
+    time and the error, if any."""
+    body = {"model": model, "prompt": "Once upon a time", "n_predict": tokens,
+            "ignore_eos": True, "stream": True, "temperature": 0}  # fmt: skip
+    data = json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"}
+    said["tokens"] = 0
+    try:
+        req = urllib.request.Request(BASE_URL + "/completion", data, headers)
+        with urllib.request.urlopen(req, timeout=600) as reply:
+            for line in reply:
+                if line.startswith(b"data: {"):
+                    said.setdefault("first", time.monotonic())
+                    chunk = json.loads(line[len(b"data: ") :])
+                    said["tokens"] = chunk.get("tokens_predicted", said["tokens"] + 1)
+    except Exception as error:  # noqa: BLE001 - whatever cut the stream is the finding
+        said["error"] = repr(error)
+
+
+def test_a_third_model_restarts_nothing_and_fetches_nothing(rig):
+    """Adding a model only changes the presets: the router reads them again, and a stream
+    from SmolLM2 running through the converge ends whole."""
     info, directory = rig
     before = file_identities(info)
+    pid = in_sandbox(info, "systemctl show -P MainPID llama-server.service")
     path = inventory(directory / "router3.yml", info, third=True)
+    said: dict = {}
+    streaming = threading.Thread(target=stream, args=("smollm2", 2000, said))
+    streaming.start()
+    deadline = time.monotonic() + 120
+    while "first" not in said and "error" not in said and time.monotonic() < deadline:
+        time.sleep(0.1)
     applied = changed_operations(sandboxes.converge(path))
+    still_streaming = streaming.is_alive()
+    streaming.join(600)
     assert any(op.startswith("Model presets") for op in applied), applied
+    assert any(op.startswith("Reload the router's presets") for op in applied), applied
+    assert not [op for op in applied if op.startswith("Restart")], applied
+    assert in_sandbox(info, "systemctl show -P MainPID llama-server.service") == pid
+    assert still_streaming, f"the stream ended before the converge did: {said}"
+    assert "error" not in said and said["tokens"] == 2000, said
     assert not [op for op in applied if op.startswith(("Model /", "Checksum of"))], applied
     assert file_identities(info) == before
     listed = sorted(model["id"] for model in request("/v1/models")["data"])

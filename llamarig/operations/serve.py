@@ -308,6 +308,30 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
     )
 
 
+@operation(is_idempotent=False)
+def reload_presets(base_url: str, timeout: int = 600):
+    """
+    Make a running llama-server router read its presets file again (``GET /models?reload=1``):
+    a model whose options changed, or that is gone, is unloaded; a new one is listed; the
+    others keep running and serving. Guard it with ``_if=``: it always reloads; check what it
+    serves after it (``serve_or_roll_back``).
+
+    + base_url: e.g. ``http://127.0.0.1:8080``
+    + timeout: seconds the router may take (it answers once the changed models have exited)
+
+    **Example:**
+
+    .. code:: python
+
+        reload_presets(base_url="http://127.0.0.1:8080")
+    """
+    url = shlex.quote(f"{base_url}/models?reload=1")
+    yield (
+        f"curl -sS -f --connect-timeout 5 --max-time {int(timeout)} {CURL_AUTH} -o /dev/null "
+        f"-- {url}"
+    )
+
+
 @dataclass(frozen=True)
 class _VersionFiles:
     """What makes a version of the server besides its build: the unit, its environment file,
