@@ -159,8 +159,9 @@ def test_a_job_runs_detached_reports_and_ends_with_its_status(tmp_path):
     assert poll.state == "running" and poll.seconds is not None
     # A second start while it runs attaches instead of starting a copy.
     assert sh(job.start_command()).strip() == "attached"
+    # One poll reads the probe before the log's tail: the line may show before the size does.
     deadline = time.monotonic() + 10
-    while "first" not in poll.log_tail and time.monotonic() < deadline:
+    while ("first" not in poll.log_tail or poll.probe != "7") and time.monotonic() < deadline:
         poll = poll_until(job, "running")
     assert poll.probe == "7" and progress.last_build_step(poll.log_tail) == progress.BuildStep(1, 2)
     flag.touch()
