@@ -13,6 +13,7 @@ import shlex
 from dataclasses import dataclass, replace
 
 from llamarig.hostpaths import CURL_AUTH
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import is_router, model_views
 
 # Per-answer defaults (documented in group_data/all.yml and schema.json): a short answer is
@@ -20,8 +21,6 @@ from llamarig.model.catalog import is_router, model_views
 DEFAULT_MAX_TOKENS = 32
 DEFAULT_CHAT = False
 SEED = 42
-# Seconds one answer may take: a cold CPU rig decodes 32 tokens in a few seconds.
-REQUEST_TIMEOUT_S = 120
 # How much of an actual answer a failure quotes.
 QUOTED_ANSWER_CHARS = 300
 
@@ -136,14 +135,15 @@ def verdict(answer: Answer, status: int, body: str) -> str | None:
 STATUS_MARK = "\nllamarig-http-status:"
 
 
-def check_command(base_url: str, answer: Answer) -> str:
+def check_command(base_url: str, answer: Answer, timeouts: HttpTimeouts) -> str:
     """The shell command, run on the host, that asks the question and prints the reply body
-    then the HTTP status (see `parse_output`). The prompt travels inside one quoted printf
-    argument on stdin (a builtin: in no process's argv), the key as the root-only header file."""
+    then the HTTP status (see `parse_output`), bounded by ``timeouts``' answer bound. The
+    prompt travels inside one quoted printf argument on stdin (a builtin: in no process's
+    argv), the key as the root-only header file."""
     path, body = request(answer)
     write_out = shlex.quote(STATUS_MARK + "%{http_code}")
     return (
-        f"printf '%s' {shlex.quote(json.dumps(body))} | curl -sS --max-time {REQUEST_TIMEOUT_S} "
+        f"printf '%s' {shlex.quote(json.dumps(body))} | curl -sS {timeouts.options('answer')} "
         f"{CURL_AUTH} -H 'Content-Type: application/json' --data-binary @- "
         f"-w {write_out} -- {shlex.quote(base_url + path)}"
     )

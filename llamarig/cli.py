@@ -19,8 +19,8 @@ from llamarig import answers, hostpaths, render, status
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
 from llamarig.config.problems import Problem, located
 from llamarig.entry import host_entry, inventory_document, probe, render_entry
-from llamarig.facts import PROBE_CONNECT_S
 from llamarig.gguf_header import GgufError
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import MODEL_NAME, model_views
 from llamarig.model.lock import lock_path, record_header, resolved
 from llamarig.model.reference import HubError
@@ -114,10 +114,6 @@ def _lock(args: argparse.Namespace) -> int:
     return status
 
 
-# The most a completion of MAX_COMPLETION_TOKENS may take on a slow rig; a hung server fails.
-COMPLETE_TIMEOUT_S = 600
-
-
 def _complete(args: argparse.Namespace) -> int:
     hosts = _chosen_hosts(args)
     if hosts is None:
@@ -135,16 +131,18 @@ def _complete(args: argparse.Namespace) -> int:
         if names:  # a router routes by the request's model: the one asked, else the first
             body = {"model": args.model or names[0], **body}
         url = shlex.quote(render.base_url(data) + path)
+        # A completion of up to MAX_COMPLETION_TOKENS on a slow rig; a hung server fails.
+        bounds = HttpTimeouts.of(data)
         curl = (
-            f"curl -sS -f --connect-timeout {PROBE_CONNECT_S} --max-time {COMPLETE_TIMEOUT_S} "
+            f"curl -sS -f {bounds.options('generation')} "
             f"{hostpaths.CURL_AUTH} -H 'Content-Type: application/json' "
             f"-d {shlex.quote(json.dumps(body))} -- {url}"
         )
-        result = run_on_host(data, curl, timeout=COMPLETE_TIMEOUT_S + 60)
+        result = run_on_host(data, curl, timeout=bounds.connect + bounds.generation + 60)
         if result.returncode != 0:
             print(
                 f"{name}: completion at {render.base_url(data)}{path} failed (bounded at "
-                f"{COMPLETE_TIMEOUT_S} s): {result.stderr.strip()}",
+                f"{bounds.said('generation')}): {result.stderr.strip()}",
                 file=sys.stderr,
             )
             status = 1

@@ -11,6 +11,7 @@ from pyinfra.api import FactBase
 
 from llamarig import checksums
 from llamarig.hostpaths import APT_UPDATE_STAMP, BUILD_COMPLETE_MARKER, CURL_AUTH
+from llamarig.httpbounds import HttpTimeouts
 
 
 class NvidiaPciDevices(FactBase):
@@ -192,19 +193,12 @@ class FileIdentity(FactBase):
         return line or None
 
 
-# Every request a probe sends is bounded: a hung server fails the check instead of the run.
-PROBE_CONNECT_S = 5
-PROBE_MAX_S = 15
-
-
-PROBE_CURL = f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {PROBE_MAX_S}"
-
-
-def slot_counts_command(base_url: str, models: tuple[str, ...] = ()) -> str:
+def slot_counts_command(base_url: str, timeouts: HttpTimeouts, models: tuple[str, ...] = ()) -> str:
     """Shell lines that set $total and $busy to the server's slots and those processing a
-    request (llama-server's /slots, with the API key where one is set; 0 0 without an answer)
-    and print them as `slots TOTAL BUSY`. Counted, not printed: a slot's state holds users'
-    prompts, and inside JSON strings a quote is escaped, so a prompt cannot fake the pattern.
+    request (llama-server's /slots, with the API key where one is set; 0 0 without an answer
+    within the probe bound) and print them as `slots TOTAL BUSY`. Counted, not printed: a
+    slot's state holds users' prompts, and inside JSON strings a quote is escaped, so a prompt
+    cannot fake the pattern.
 
     ``models``: a router's model names; each loaded one's slots are counted (``autoload=false``:
     asking never loads a model), and $probe is set to a 4-token completion body for the first
@@ -213,16 +207,17 @@ def slot_counts_command(base_url: str, models: tuple[str, ...] = ()) -> str:
         'total=$((total + $(printf %s "$slots" | grep -o \'"is_processing":[a-z]*\' | wc -l))); '
         'busy=$((busy + $(printf %s "$slots" | grep -o \'"is_processing":true\' | wc -l))); '
     )
+    probe_curl = timeouts.curl("probe")
     if not models:
         slots = shlex.quote(f"{base_url}/slots")
-        fetch = f"slots=$({PROBE_CURL} -f {CURL_AUTH} -- {slots}) || slots=; "
+        fetch = f"slots=$({probe_curl} -f {CURL_AUTH} -- {slots}) || slots=; "
         return f"total=0; busy=0; {fetch}{count}" + 'echo "slots $total $busy"'
     lines = ["total=0; busy=0; probe=; "]
     for name in models:
         slots = shlex.quote(f"{base_url}/slots?model={name}&autoload=false")
         body = shlex.quote(json.dumps({"model": name, **PROBE_COMPLETION}))
         lines.append(
-            f"if slots=$({PROBE_CURL} -f {CURL_AUTH} -- {slots}); then before=$busy; {count}"
+            f"if slots=$({probe_curl} -f {CURL_AUTH} -- {slots}); then before=$busy; {count}"
             f'if [ -z "$probe" ] && [ $((busy - before)) -lt "$(printf %s "$slots" | '
             f'grep -o \'"is_processing":[a-z]*\' | wc -l)" ]; then probe={body}; fi; fi; '
         )
@@ -243,29 +238,30 @@ def parse_slot_counts(line: str) -> tuple[int, int]:
 
 class ServerProbe(FactBase):
     """Health, the slots' state and, only when a slot is idle, one short completion of a
-    running llama-server, from the host itself. Each request is bounded (PROBE_CONNECT_S to
-    connect, PROBE_MAX_S in all), and the completion is not sent while every slot serves a user
-    (it would wait behind them): ``completion_ok`` is then None.
+    running llama-server, from the host itself. Each request is bounded (``timeouts``: the
+    rig's server.http_timeouts, connect and probe), and the completion is not sent while every
+    slot serves a user (it would wait behind them): ``completion_ok`` is then None.
 
     .. code:: python
 
         {"health": 200, "slots": 2, "busy": 0, "completion_ok": True, "tokens_per_second": 812.4}
     """
 
-    def command(self, base_url: str, models: tuple[str, ...] = ()) -> str:
+    def command(self, base_url: str, timeouts: HttpTimeouts, models: tuple[str, ...] = ()) -> str:
         """``models``: a router's model names (the completion goes to a loaded one with an
         idle slot; none loaded prints ``unloaded``)."""
+        probe_curl = timeouts.curl("probe")
         body = '"$probe"' if models else shlex.quote(json.dumps(PROBE_COMPLETION))
         health, completion = (
             shlex.quote(f"{base_url}/{path}") for path in ("health", "completion")
         )
         unloaded = 'elif [ -z "$probe" ]; then echo unloaded; ' if models else ""
         return (
-            f"{PROBE_CURL} -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
-            f"{slot_counts_command(base_url, tuple(models))}; "
+            f"{probe_curl} -o /dev/null -w '%{{http_code}}\\n' -- {health} || echo 000; "
+            f"{slot_counts_command(base_url, timeouts, tuple(models))}; "
             'if [ "$total" -gt 0 ] && [ "$busy" -ge "$total" ]; then echo busy; '
             f"{unloaded}else "
-            f"{PROBE_CURL} -f {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
+            f"{probe_curl} -f {CURL_AUTH} -H 'Content-Type: application/json' -d {body} "
             f"-- {completion} || true; fi"
         )
 

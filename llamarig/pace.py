@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from llamarig.hostpaths import CURL_AUTH
+from llamarig.httpbounds import HttpTimeouts
 
 DECODE_TOKENS = 200
 RUNS = 3
@@ -31,9 +32,9 @@ PROMPT = "Write a long story about a llama who travels the world."
 SPEED_FILE = "decode-tps"
 
 
-def decode_command(base_url: str, model: str | None = None) -> str:
-    """One greedy completion of DECODE_TOKENS (of ``model``, on a router); prints the reply
-    (key: the root-only header)."""
+def decode_command(base_url: str, timeouts: HttpTimeouts, model: str | None = None) -> str:
+    """One greedy completion of DECODE_TOKENS (of ``model``, on a router), bounded by
+    ``timeouts``' generation bound; prints the reply (key: the root-only header)."""
     body = {
         **({"model": model} if model else {}),
         "prompt": PROMPT,
@@ -44,7 +45,8 @@ def decode_command(base_url: str, model: str | None = None) -> str:
         "cache_prompt": False,
     }
     return (
-        f"printf '%s' {shlex.quote(json.dumps(body))} | curl -sS -f --max-time 600 {CURL_AUTH} "
+        f"printf '%s' {shlex.quote(json.dumps(body))} | "
+        f"curl -sS -f {timeouts.options('generation')} {CURL_AUTH} "
         f"-H 'Content-Type: application/json' --data-binary @- "
         f"-- {shlex.quote(base_url + '/completion')}"
     )

@@ -36,6 +36,7 @@ from llamarig.facts import (
     RunningService,
     UnitState,
 )
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import is_router, served_data
 from llamarig.model.files import model_files
 from llamarig.model.lock import lock_path, resolved
@@ -180,6 +181,7 @@ def service_running(
     why: str,
     drain_url: str | None = None,
     drain_timeout: int = 0,
+    drain_bounds: HttpTimeouts | None = None,
     drain_host: str | None = None,
     drain_service: str | None = None,
     drain_models: tuple[str, ...] = (),
@@ -187,7 +189,8 @@ def service_running(
     """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
     inputs) unless this run just started it, after the requests in flight at ``drain_url``
     (on ``drain_host``'s ``drain_service``, else this host's) finished, at most
-    ``drain_timeout`` seconds (``drain_models``: a router's models); returns the start and the
+    ``drain_timeout`` seconds, each look bounded by ``drain_bounds`` (that server's
+    server.http_timeouts; ``drain_models``: a router's models); returns the start and the
     restart."""
     started = operations.unit_running(name=f"{service} enabled and running", unit=service)
     restarted = operations.restart_service(
@@ -195,6 +198,7 @@ def service_running(
         service=service,
         drain_url=drain_url,
         drain_timeout=drain_timeout,
+        drain_bounds=drain_bounds,
         drain_host=drain_host,
         drain_service=drain_service,
         drain_models=drain_models,

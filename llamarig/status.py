@@ -20,15 +20,17 @@ from dataclasses import asdict, dataclass, field
 
 from llamarig import checksums, deploy_record, hostpaths, render
 from llamarig.config import HostConfig
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import is_router, model_views
 from llamarig.model.reference import HubError
 from llamarig.progress import format_duration
 from llamarig.remote import SshTarget, host_plan
 
 CONNECT_TIMEOUT_S = 10
-REQUEST_TIMEOUT_S = 5
-# The command's own bound beyond its window: connection, systemctl, two curls, nvidia-smi.
+# The command's own bound beyond its window and its requests to the server (each within the
+# rig's probe bound, REQUESTS of them at most): connection, systemctl, nvidia-smi.
 SLACK_S = 60
+REQUESTS = 4
 DEFAULT_WINDOW_S = 10
 SECTION = "@@llamarig-status "
 TOKENS_COUNTER = "llamacpp:tokens_predicted_total"
@@ -82,10 +84,7 @@ def probe_command(data: dict, window: float) -> str:
     service = data["rpc" if worker else "server"]["service"] + ".service"
     paths = render.layout(data)
     unit = shlex.quote(service)
-    curl = (
-        f"curl -sS -f --connect-timeout {REQUEST_TIMEOUT_S} --max-time {REQUEST_TIMEOUT_S} "
-        f"{hostpaths.CURL_AUTH} --"
-    )
+    curl = f"curl -sS -f {HttpTimeouts.of(data).options('probe')} {hostpaths.CURL_AUTH} --"
     base = render.base_url(data)
     metrics, slots = shlex.quote(f"{base}/metrics"), shlex.quote(f"{base}/slots")
 
@@ -322,7 +321,7 @@ def host_status(host_config: HostConfig, window: float) -> HostStatus:
     """One host's row, asked over SSH (or by the local shell), every wait bounded."""
     data = host_config.data
     command = probe_command(data, window)
-    timeout = window + SLACK_S
+    timeout = window + SLACK_S + REQUESTS * HttpTimeouts.of(data).probe
     try:
         if data["ssh"].get("local"):
             result = subprocess.run(

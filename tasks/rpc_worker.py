@@ -10,6 +10,7 @@ from pyinfra.operations import systemd
 from pyinfra.operations.util import any_changed
 
 from llamarig import operations, render, stage
+from llamarig.httpbounds import HttpTimeouts
 
 
 @api.deploy("tasks/rpc_worker.py")
@@ -45,6 +46,7 @@ def _worker(rig: dict, restart_on: list[OperationMeta]) -> list[OperationMeta]:
         "unit or build changed",
         drain_url=head and head["url"],
         drain_timeout=head["drain_timeout"] if head else 0,
+        drain_bounds=head and HttpTimeouts(**head["http_timeouts"]),
         drain_host=head and head["name"],
         drain_service=head and head["service"],
     )
@@ -62,6 +64,7 @@ def _worker(rig: dict, restart_on: list[OperationMeta]) -> list[OperationMeta]:
             service=head["service"],
             base_url=head["url"],
             timeout=head["start_timeout"],
+            http_timeouts=HttpTimeouts(**head["http_timeouts"]),
             worker=rpc_service,
             _if=any_changed(started, restarted),
         )

@@ -15,6 +15,7 @@ from pyinfra.operations.util import any_changed
 from llamarig import answers, hostpaths, operations, render, stage
 from llamarig.factcache import known
 from llamarig.facts import FileState, RunningService
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import model_views
 
 
@@ -151,6 +152,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         "unit, environment, build or model changed, or out of date",
         drain_url=render.base_url(rig),
         drain_timeout=server["drain_timeout"],
+        drain_bounds=HttpTimeouts.of(rig),
         drain_models=names,
     )
     checked = [started, restarted]
@@ -162,6 +164,8 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
                 name=f"Reload the router's presets ({', '.join(names)}; unchanged models keep "
                 "serving)",
                 base_url=render.base_url(rig),
+                timeout=server["start_timeout"],
+                connect_timeout=server["http_timeouts"]["connect"],
                 _if=lambda: (
                     (presets.did_change() or presets_pending)
                     and not (started.did_change() or restarted.did_change())
@@ -177,6 +181,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         env_file=paths["env_file"],
         current=paths["current"],
         last_good=paths["last_good"],
+        http_timeouts=HttpTimeouts.of(rig),
         answers=answers.answers(rig),
         max_slowdown=server["max_slowdown"],
         drain_timeout=server["drain_timeout"],

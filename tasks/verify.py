@@ -10,6 +10,7 @@ from pyinfra.operations.util import any_changed
 
 from llamarig import operations, render, stage
 from llamarig.facts import ServerProbe
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import model_views
 
 
@@ -28,7 +29,9 @@ def deploy(serving: list[OperationMeta]) -> None:
             _if=lambda: not restarted(),
         )
     elif rig["server"]["supervisor"] == "none":
-        probe = host.get_fact(ServerProbe, base_url=render.base_url(rig))
+        probe = host.get_fact(
+            ServerProbe, base_url=render.base_url(rig), timeouts=HttpTimeouts.of(rig)
+        )
         host.noop(
             f"{render.base_url(rig)} answers /health {probe['health']}"
             if probe["health"] == 200
@@ -40,6 +43,7 @@ def deploy(serving: list[OperationMeta]) -> None:
             name="Verify the rig (unless the server stage's wait just checked it)",
             unit=f"{rig['server']['service']}.service",
             base_url=render.base_url(rig),
+            http_timeouts=HttpTimeouts.of(rig),
             models=tuple(view.name for view in model_views(rig)),
             _if=lambda: not restarted(),
         )

@@ -232,3 +232,11 @@ def file_server(tmp_path):
     thread.start()
     yield root, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()
+
+
+def default_http_timeouts():
+    """The documented server.http_timeouts of group_data/all.yml."""
+    from llamarig.config.loader import defaults
+    from llamarig.httpbounds import HttpTimeouts
+
+    return HttpTimeouts.of(defaults())

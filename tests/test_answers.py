@@ -16,6 +16,7 @@ import pytest
 from llamarig import answers, cli, operations
 from llamarig.config import load_inventory
 from llamarig.hostpaths import API_KEY_HEADER_PATH
+from tests.conftest import default_http_timeouts
 from tests.test_bad_input import Case, assert_refused_by_name, host
 
 QUESTION = "What is the capital of France? Answer in one word."
@@ -238,7 +239,7 @@ def recorder():
 @pytest.mark.parametrize("chat_mode", [False, True], ids=["completion", "chat"])
 def test_check_command_sends_the_prompt_byte_exact(recorder, tmp_path, text, chat_mode):
     checked = answer(prompt=text, chat=chat_mode, contains=text)
-    command = answers.check_command(recorder, checked)
+    command = answers.check_command(recorder, checked, default_http_timeouts())
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     result = subprocess.run(
@@ -258,7 +259,9 @@ def test_check_command_sends_the_prompt_byte_exact(recorder, tmp_path, text, cha
 
 
 def test_check_command_shape():
-    command = answers.check_command("http://127.0.0.1:8080", answer(prompt="it's $(id)"))
+    command = answers.check_command(
+        "http://127.0.0.1:8080", answer(prompt="it's $(id)"), default_http_timeouts()
+    )
     words = shlex.split(command)
     # The body is one printf argument piped to curl, which reads it from stdin.
     assert words[:3] == [
@@ -280,6 +283,7 @@ def test_the_deploy_records_a_version_only_after_its_answers():
     from pyinfra.api import FunctionCommand
 
     arguments = ("http://127.0.0.1:8080", "llama-server.service", 60, "/u", "/e", "/c", "/g")
+    arguments += (default_http_timeouts(),)
     plain = list(operations.serve_or_roll_back._inner(*arguments))
     checked = list(operations.serve_or_roll_back._inner(*arguments, answers=[answer()]))
     assert len(plain) == 2 and plain[0] == checked[0] and plain[1] == checked[2]

@@ -114,6 +114,24 @@ CASES = [
         ("1.5 is a number with a fraction", "a number of slots"),
     ),
     Case(
+        "http-timeout-carries-shell-text",
+        host('server: {http_timeouts: {probe: "15; id"}}'),
+        "hosts.rig1.server.http_timeouts.probe",
+        ("'15; id' is a string", "seconds for /health"),
+    ),
+    Case(
+        "http-timeout-of-zero",
+        host("server: {http_timeouts: {connect: 0}}"),
+        "hosts.rig1.server.http_timeouts.connect",
+        ("0", "seconds to connect"),
+    ),
+    Case(
+        "http-timeout-misspelled",
+        host("server: {http_timeouts: {probes: 30}}"),
+        "hosts.rig1.server.http_timeouts.probes",
+        ("unknown key `probes`", "did you mean `probe`?"),
+    ),
+    Case(
         "bare-off-is-a-boolean",
         host("server: {flash_attn: off}"),
         "hosts.rig1.server.flash_attn",

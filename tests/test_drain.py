@@ -6,6 +6,9 @@ from types import SimpleNamespace
 import pytest
 
 from llamarig import operations
+from tests.conftest import default_http_timeouts
+
+BOUNDS = default_http_timeouts()
 
 
 class Host:
@@ -40,12 +43,15 @@ def test_a_worker_restart_waits_for_the_head_requests_asked_on_the_head():
         "http://127.0.0.1:8086",
         "llama-server.service on rpc-head",
         60,
+        BOUNDS,
         server_host=head,
         restarting="ggml-rpc-server.service",
     )
     assert worker.commands == [], "the worker cannot see the head's loopback"
     assert len(head.commands) == 3
     assert all("http://127.0.0.1:8086/slots" in command for command in head.commands)
+    # Each look is bounded by the head's server.http_timeouts: a hung head holds no restart.
+    assert all("--connect-timeout 5 --max-time 15 " in command for command in head.commands)
     assert worker.said[0].startswith(
         "llamarig: waiting for 2 of 2 slots of llama-server.service on rpc-head to finish their "
         "requests before restarting ggml-rpc-server.service ("
@@ -59,7 +65,7 @@ def test_a_worker_restart_waits_for_the_head_requests_asked_on_the_head():
 
 def test_the_bound_restarts_anyway_and_counts_what_it_cuts():
     server = Host(busy=[2])
-    operations.drain(server, "http://127.0.0.1:8080", "llama-server.service", 1)
+    operations.drain(server, "http://127.0.0.1:8080", "llama-server.service", 1, BOUNDS)
     assert server.said[-1] == (
         "llamarig: 2 of 2 slots of llama-server.service still busy after 1 s "
         "(server.drain_timeout): restarting it anyway, cutting 2 request(s)"
@@ -70,6 +76,8 @@ def test_the_bound_restarts_anyway_and_counts_what_it_cuts():
 @pytest.mark.parametrize("busy", [[0], None])
 def test_nothing_to_wait_for(busy):
     server = Host(busy=busy or [2])
-    operations.drain(server, "http://127.0.0.1:8080", "llama-server.service", 0 if not busy else 5)
+    operations.drain(
+        server, "http://127.0.0.1:8080", "llama-server.service", 0 if not busy else 5, BOUNDS
+    )
     assert server.said == []
     assert len(server.commands) == (1 if busy else 0)

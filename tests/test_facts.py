@@ -13,7 +13,6 @@ import time
 import pytest
 from pyinfra.api import FactBase
 
-from llamarig import facts
 from llamarig.factcache import Batch, parse_one
 from llamarig.facts import (
     AptListsAge,
@@ -30,6 +29,8 @@ from llamarig.facts import (
     UnitState,
 )
 from llamarig.hostpaths import BUILD_COMPLETE_MARKER, CURL_AUTH
+from llamarig.httpbounds import HttpTimeouts
+from tests.conftest import default_http_timeouts
 
 
 def test_nvidia_smi_gpus():
@@ -128,8 +129,9 @@ def llama_stand_in():
     server.shutdown()
 
 
-def _probe(base_url: str) -> dict:
-    command = ServerProbe().command(base_url).replace(CURL_AUTH, "")
+def _probe(base_url: str, timeouts: HttpTimeouts | None = None) -> dict:
+    timeouts = timeouts or default_http_timeouts()
+    command = ServerProbe().command(base_url, timeouts).replace(CURL_AUTH, "")
     run = subprocess.run(["sh", "-c", command], capture_output=True, text=True, timeout=60)
     return ServerProbe().process(run.stdout.splitlines())
 
@@ -145,11 +147,10 @@ def test_the_probe_completes_only_when_a_slot_is_idle(llama_stand_in):
     assert _Llama.completions == ["/completion"], "no completion sent while every slot is busy"
 
 
-def test_a_hung_server_fails_the_probe_within_its_bound(llama_stand_in, monkeypatch):
-    monkeypatch.setattr(facts, "PROBE_CURL", "curl -s --connect-timeout 1 --max-time 1")
+def test_a_hung_server_fails_the_probe_within_its_bound(llama_stand_in):
     _Llama.hung = True
     started = time.monotonic()
-    probe = _probe(llama_stand_in)
+    probe = _probe(llama_stand_in, HttpTimeouts(connect=1, probe=1, answer=1, generation=1))
     elapsed = time.monotonic() - started
     assert probe["health"] == 0 and probe["completion_ok"] is False
     # Three requests of at most 1 s each, where an unbounded one would wait out the hang.

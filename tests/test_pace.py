@@ -10,6 +10,7 @@ import shlex
 import pytest
 
 from llamarig import pace
+from tests.conftest import default_http_timeouts
 
 
 def _reply(tps: float) -> str:
@@ -37,7 +38,7 @@ def test_a_version_more_than_max_slowdown_slower_is_refused(speed, last, refused
 
 
 def test_the_request_is_greedy_fixed_length_and_keyless():
-    command = pace.decode_command("http://127.0.0.1:8080")
+    command = pace.decode_command("http://127.0.0.1:8080", default_http_timeouts())
     words = shlex.split(command.replace(pace.CURL_AUTH, "AUTH"))
     body = json.loads(words[words.index("printf") + 2])
     assert body["n_predict"] == pace.DECODE_TOKENS and body["ignore_eos"] is True

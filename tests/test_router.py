@@ -25,8 +25,10 @@ from llamarig.gguf_header import read_gguf_header_file
 from llamarig.model.catalog import model_views, with_views
 from llamarig.plan import plan_host
 from llamarig.router import PlannedModel, loaded_at_once
-from tests.conftest import PROJECT
+from tests.conftest import PROJECT, default_http_timeouts
 from tests.ggufmodels import Qwen35Shape, write_qwen35
+
+BOUNDS = default_http_timeouts()
 
 SHA = "a" * 64
 ROUTER = f"""\
@@ -241,13 +243,15 @@ def test_the_probes_count_only_loaded_models_and_complete_on_an_idle_one():
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         counted = subprocess.run(
-            ["sh", "-c", slot_counts_command(base, ("b", "a"))], capture_output=True, text=True
+            ["sh", "-c", slot_counts_command(base, BOUNDS, ("b", "a"))],
+            capture_output=True,
+            text=True,
         )
         assert counted.stdout.strip().splitlines()[-1] == "slots 2 1"
         _Router.completions.clear()
         probe = ServerProbe()
         output = subprocess.run(
-            ["sh", "-c", probe.command(base, ("b", "a"))], capture_output=True, text=True
+            ["sh", "-c", probe.command(base, BOUNDS, ("b", "a"))], capture_output=True, text=True
         ).stdout
         found = probe.process(output.splitlines())
         assert found == {"health": 200, "slots": 2, "busy": 1, "completion_ok": True,
@@ -255,7 +259,7 @@ def test_the_probes_count_only_loaded_models_and_complete_on_an_idle_one():
         assert [body["model"] for body in _Router.completions] == ["a"]
         # Nothing loaded: no completion, and the probe says so.
         output = subprocess.run(
-            ["sh", "-c", probe.command(base, ("b",))], capture_output=True, text=True
+            ["sh", "-c", probe.command(base, BOUNDS, ("b",))], capture_output=True, text=True
         ).stdout
         assert probe.process(output.splitlines())["loaded"] is False
         assert len(_Router.completions) == 1

@@ -118,7 +118,10 @@ def test_a_head_cannot_use_a_standalone_box_nor_set_endpoints(write_inventory):
 
 def test_each_worker_knows_the_head_server_it_drains_and_restarts(write_inventory):
     inventory = load_inventory(
-        pair(write_inventory, head_extra=', host: "::1", port: 8081, drain_timeout: 30')
+        pair(
+            write_inventory,
+            head_extra=', host: "::1", port: 8081, drain_timeout: 30, http_timeouts: {probe: 9}',
+        )
     )
     for name in ("worker1", "worker2"):
         assert inventory.hosts[name].data["rpc"]["head"] == {
@@ -127,6 +130,8 @@ def test_each_worker_knows_the_head_server_it_drains_and_restarts(write_inventor
             "service": "llama-server.service",
             "drain_timeout": 30,
             "start_timeout": 600,  # the head's default: it restarts after the worker
+            # Each look at the head's /slots is bounded by the head's own bounds.
+            "http_timeouts": {"connect": 5, "probe": 9, "answer": 120, "generation": 600},
         }
     assert "head" not in inventory.hosts["head"].data["rpc"]
     # A worker no head names has nothing to drain.

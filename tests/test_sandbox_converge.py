@@ -302,25 +302,32 @@ def timed(run: Callable[[], subprocess.CompletedProcess]) -> tuple[float, str, i
     return time.monotonic() - started, result.stdout + result.stderr, result.returncode
 
 
-def test_a_hung_server_fails_the_converge_and_verify_naming_the_endpoint(sandbox_info):
-    converge()
-    healthy_seconds, output, status = timed(verify)
+def test_a_hung_server_fails_the_converge_and_verify_naming_the_endpoint(sandbox_info, tmp_path):
+    # The bounds are the rig's own (server.http_timeouts), not llamarig's defaults (5 and 15);
+    # they change no file on the host.
+    bounded = variant(tmp_path, server={"http_timeouts": {"connect": 3, "probe": 8}})
+    assert changed_operations(converge(bounded)) == []
+    healthy_seconds, output, status = timed(lambda: verify(bounded))
     assert status == 0, output[-4000:]
     pid = main_pid(sandbox_info)
     in_sandbox(sandbox_info, f"kill -STOP {pid}")
     try:
         # The subprocess timeout is only a backstop: the probe's own bounds end the run.
-        _, output, status = timed(lambda: deploy(INVENTORY, timeout=600))
-        hung_seconds, verified, verify_status = timed(verify)
+        _, output, status = timed(lambda: deploy(bounded, timeout=600))
+        hung_seconds, verified, verify_status = timed(lambda: verify(bounded))
     finally:
         in_sandbox(sandbox_info, f"kill -CONT {pid}")
+    said = (
+        "http://127.0.0.1:8080/health gave no answer within 8 s (connect 3 s; "
+        "server.http_timeouts.probe)"
+    )
     assert status != 0, output[-4000:]
-    assert "http://127.0.0.1:8080/health gave no answer within 15 s (connect 5 s)" in output
+    assert said in output, output[-4000:]
     # verify fails its API checks at once, within the probe's bound of the healthy run's time
     # (measured side by side), where each used to wait 120 s.
     assert verify_status != 0, verified[-4000:]
-    assert "http://127.0.0.1:8080/health gave no answer within 15 s (connect 5 s)" in verified
-    assert hung_seconds <= healthy_seconds + 15 + 10, (hung_seconds, healthy_seconds)
+    assert said in verified, verified[-4000:]
+    assert hung_seconds <= healthy_seconds + 8 + 10, (hung_seconds, healthy_seconds)
     assert main_pid(sandbox_info) == pid, "a check restarts nothing"
     assert changed_operations(converge()) == []
 

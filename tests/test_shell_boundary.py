@@ -30,6 +30,7 @@ from llamarig import operations, render
 from llamarig.config import ConfigError, load_inventory
 from llamarig.facts import ServerProbe
 from llamarig.remote import SshTarget, ssh_alias, ssh_config_value
+from tests.conftest import default_http_timeouts
 
 PROPERTY = settings(
     max_examples=int(os.environ.get("SHELL_EXAMPLES", 60)),
@@ -345,7 +346,7 @@ def check_server(data: dict, shims: Shims, scratch: Path) -> None:
         assert shlex.split(shlex.join(command)) == command
 
     base_url = render.base_url(data)
-    curls, _ = shims.calls_of(ServerProbe().command(base_url), "curl")
+    curls, _ = shims.calls_of(ServerProbe().command(base_url, default_http_timeouts()), "curl")
     assert curls[0][-2:] == ["--", f"{base_url}/health"]
     assert curls[1][-2:] == ["--", f"{base_url}/slots"]
     assert curls[2][-2:] == ["--", f"{base_url}/completion"]
@@ -370,7 +371,7 @@ def check_server(data: dict, shims: Shims, scratch: Path) -> None:
     paths = {key: str(scratch) + render.layout(data)[key] for key in ("unit", "env_file")}
     rollback = operations.serve_or_roll_back._inner(
         base_url, "llama-server.service", 0, paths["unit"], paths["env_file"],
-        str(scratch / "current"), str(scratch / "good"),
+        str(scratch / "current"), str(scratch / "good"), default_http_timeouts(),
     )  # fmt: skip
     curls, output = shims.calls_of("".join(rollback), "curl")
     assert curls[0][-2:] == ["--", f"{base_url}/health"]
@@ -491,12 +492,16 @@ def test_shell_commands_pass_any_text_as_one_argument(tmp_path, text, name):
     bracketed = len(text) > 1 and text[0] == "[" and text[-1] == "]"
     assert probes[0][-2:] == [text[1:-1] if bracketed else text, name]
     curls, output = shims.calls_of(
-        "".join(operations.serve_or_roll_back._inner(text, name, 0, dest, dest, dest, dest)),
+        "".join(
+            operations.serve_or_roll_back._inner(
+                text, name, 0, dest, dest, dest, dest, default_http_timeouts()
+            )
+        ),
         "curl",
     )
     assert curls[0][-2:] == ["--", f"{text}/health"]
     assert f"the new version of {name} does not serve: {text}/health not ready" in output
-    curls, _ = shims.calls_of(ServerProbe().command(text), "curl")
+    curls, _ = shims.calls_of(ServerProbe().command(text, default_http_timeouts()), "curl")
     assert curls[0][-1] == f"{text}/health"
 
 

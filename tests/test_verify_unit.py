@@ -5,6 +5,7 @@ import re
 import pytest
 
 from llamarig.config import load_inventory
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.remote import SshTarget
 from llamarig.verify import expectations
 from tests.conftest import PROJECT
@@ -56,7 +57,7 @@ def test_a_hung_server_fails_the_api_checks_within_the_probe_bound(monkeypatch, 
 
     from llamarig.checks import conftest
 
-    monkeypatch.setattr(conftest, "PROBE_MAX_S", 2)
+    bounds = HttpTimeouts(connect=5, probe=2, answer=120, generation=600)
     host = testinfra.get_host("local://")
     if client == "python3":
         monkeypatch.setattr(host, "exists", lambda command: command != "curl")
@@ -64,7 +65,9 @@ def test_a_hung_server_fails_the_api_checks_within_the_probe_bound(monkeypatch, 
         base = f"http://127.0.0.1:{hung.getsockname()[1]}"
         started = time.monotonic()
         with pytest.raises(pytest.fail.Exception) as failed:
-            conftest.answering_api(host, {"base_url": base, "curl_auth": ""})
+            conftest.answering_api(host, {"base_url": base, "curl_auth": ""}, bounds)
         waited = time.monotonic() - started
-    assert str(failed.value).startswith(f"{base}/health gave no answer within 2 s (connect 5 s)")
+    assert str(failed.value).startswith(
+        f"{base}/health gave no answer within 2 s (connect 5 s; server.http_timeouts.probe)"
+    )
     assert waited < 10, f"the check waited {waited:.1f} s"

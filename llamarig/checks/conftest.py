@@ -12,8 +12,7 @@ import shlex
 
 import pytest
 
-from llamarig.answers import REQUEST_TIMEOUT_S
-from llamarig.facts import PROBE_CONNECT_S, PROBE_MAX_S
+from llamarig.httpbounds import HttpTimeouts
 
 
 @pytest.fixture(scope="session")
@@ -104,37 +103,42 @@ def gpus(host, nvidia_rig) -> list[dict]:
 @pytest.fixture(scope="module")
 def api(host, derived, serving_rig):
     """Call the server's API from the host itself (it may listen on loopback only). /health
-    is asked first, within the deploy's probe bounds: a server that is hung or down fails every
+    is asked first, within the rig's probe bounds: a server that is hung or down fails every
     API check at once, naming the endpoint, instead of each waiting its request's bound."""
-    return answering_api(host, derived)
+    return answering_api(host, derived, HttpTimeouts.of(serving_rig))
 
 
-def answering_api(host, derived: dict):
-    """The API caller of ``api``, once /health answered within the probe bounds."""
+def answering_api(host, derived: dict, timeouts: HttpTimeouts):
+    """The API caller of ``api``, once /health answered within the probe bounds; each call is
+    bounded by ``timeouts`` (the rig's server.http_timeouts: connect, answer)."""
     base = derived["base_url"]
-    call = python_api(host, base) if not host.exists("curl") else curl_api(host, derived)
-    code, _ = call("/health", max_time=PROBE_MAX_S)
+    if host.exists("curl"):
+        call = curl_api(host, derived, timeouts)
+    else:
+        call = python_api(host, base, timeouts)
+    code, _ = call("/health", max_time=timeouts.probe)
     if code == 0:
         pytest.fail(
-            f"{base}/health gave no answer within {PROBE_MAX_S} s (connect {PROBE_CONNECT_S} "
-            "s): llama-server is down or hung (see `systemctl status` and its journal)"
+            f"{base}/health gave no answer within {timeouts.said('probe')}: llama-server is "
+            "down or hung (see `systemctl status` and its journal)"
         )
     return call
 
 
-def curl_api(host, derived: dict):
+def curl_api(host, derived: dict, timeouts: HttpTimeouts):
     def call(
-        path: str, body: dict | None = None, auth: bool = True, max_time: int = REQUEST_TIMEOUT_S
+        path: str, body: dict | None = None, auth: bool = True, max_time: int | None = None
     ) -> tuple[int, str]:
         """GET (or POST ``body``); with the host's root-only API key header when one is set;
-        status 0 when no answer came within ``max_time`` seconds."""
+        status 0 when no answer came within ``max_time`` seconds (default: the answer bound)."""
         payload = derived["curl_auth"] if auth else ""
         if body is not None:
             # One quoted argument: a prompt of `expect.answers` may hold any character.
             payload += f" -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
         # Bounded: a hung server fails its checks instead of hanging `llamarig verify`.
         result = host.run(
-            f"curl -s --connect-timeout {PROBE_CONNECT_S} --max-time {max_time} "
+            f"curl -s --connect-timeout {timeouts.connect} "
+            f"--max-time {max_time or timeouts.answer} "
             f"-o /tmp/llamarig-verify.out -w '%{{http_code}}' {payload} "
             f"-- {shlex.quote(derived['base_url'] + path)}; "
             "echo; cat /tmp/llamarig-verify.out; rm -f /tmp/llamarig-verify.out"
@@ -167,11 +171,11 @@ print(text)
 """
 
 
-def python_api(host, base: str):
+def python_api(host, base: str, timeouts: HttpTimeouts):
     from llamarig.hostpaths import API_KEY_HEADER_PATH
 
     def call(
-        path: str, body: dict | None = None, auth: bool = True, max_time: int = REQUEST_TIMEOUT_S
+        path: str, body: dict | None = None, auth: bool = True, max_time: int | None = None
     ) -> tuple[int, str]:
         result = host.run(
             "python3 -c "
@@ -184,7 +188,7 @@ def python_api(host, base: str):
                     json.dumps(body) if body is not None else "",
                     "1" if auth else "0",
                     API_KEY_HEADER_PATH,
-                    str(max_time),
+                    str(max_time or timeouts.answer),
                 )
             )
         )

@@ -62,5 +62,6 @@ def derive_rpc(hosts: dict[str, HostConfig]) -> None:
                 "url": local_url(server["host"], server["port"]),
                 "service": f"{server['service']}.service",
                 "drain_timeout": server["drain_timeout"],
+                "http_timeouts": dict(server["http_timeouts"]),
                 "start_timeout": server["start_timeout"],
             }

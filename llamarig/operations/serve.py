@@ -24,32 +24,41 @@ from llamarig.answers import parse_output as parse_answer_output
 from llamarig.factcache import known
 from llamarig.facts import (
     PROBE_COMPLETION,
-    PROBE_CONNECT_S,
-    PROBE_MAX_S,
     MeasuredOverheads,
     ServerProbe,
     UnitState,
 )
 from llamarig.hostpaths import CURL_AUTH
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.llama_args import option_name
 from llamarig.operations.host import connected_host, fail_command
 from llamarig.operations.systemd import drain, journal_tail_command, restart_command
 
 
-def _serving_check(base_url: str, service: str, timeout: int, presets: str | None = None) -> str:
+def _serving_check(
+    base_url: str,
+    service: str,
+    timeout: int,
+    timeouts: HttpTimeouts,
+    presets: str | None = None,
+) -> str:
     """Shell function ``serving``: waits until the unit answers /health with 200 and serves a
     4-token completion; returns 1 (with why in $why) when it crashes, on timeout or a failed
     completion. A router (``presets``): a completion of each model of the presets file installed
     when it runs (the new version's, or the one a rollback put back), in the file's order, which
-    loads each; a failure names the model."""
+    loads each; a failure names the model. Each look at /health is bounded by ``timeouts``'
+    probe bound; a completion (which may load a router's model) by what is left of
+    ``timeout``, at least the probe bound."""
     q_service = shlex.quote(service)
     health, completion = shlex.quote(f"{base_url}/health"), shlex.quote(f"{base_url}/completion")
     crashed = shlex.quote(f"{service} exited while starting")
     not_ready = shlex.quote(f"{base_url}/health not ready after {int(timeout)} s")
     failed = shlex.quote(f"{base_url}/completion failed: ")
     ask = (
-        f"answer=$(curl -sS {CURL_AUTH} -H 'Content-Type: application/json' -d \"$body\" "
-        f"-- {completion} 2>&1)"
+        "left=$(( deadline - $(date +%s) )); "
+        f'[ "$left" -ge {timeouts.probe} ] || left={timeouts.probe}; '
+        f'answer=$(curl -sS --connect-timeout {timeouts.connect} --max-time "$left" '
+        f"{CURL_AUTH} -H 'Content-Type: application/json' -d \"$body\" -- {completion} 2>&1)"
     )
     judge = (
         """case "$answer" in *'"content"'*) ;; *) why="$failed$(printf %s "$answer" | """
@@ -75,7 +84,7 @@ def _serving_check(base_url: str, service: str, timeout: int, presets: str | Non
     return f"""
 serving() {{
   deadline=$(( $(date +%s) + {int(timeout)} ))
-  until [ "$(curl -s -o /dev/null -w '%{{http_code}}' -- {health})" = 200 ]; do
+  until [ "$({timeouts.curl("probe")} -o /dev/null -w '%{{http_code}}' -- {health})" = 200 ]; do
     # A crash shows as `failed`, or as `auto-restart` while Restart= tries again.
     state="$(systemctl show -P ActiveState -- {q_service})"
     case "$state/$(systemctl show -P SubState -- {q_service})" in
@@ -146,6 +155,7 @@ def serve_or_roll_back(
     env_file: str,
     current: str,
     last_good: str,
+    http_timeouts: HttpTimeouts,
     answers: list[Answer] | None = None,
     max_slowdown: float | None = None,
     drain_timeout: int = 0,
@@ -166,6 +176,7 @@ def serve_or_roll_back(
     + unit, env_file, current: the unit file, its environment file and the `current` link
     + last_good: directory holding copies of those three from the last version that served;
       refreshed after every successful start
+    + http_timeouts: the rig's server.http_timeouts: every request to the server is bounded
     + answers: the rig's ``expect.answers`` (``llamarig.answers.answers``), asked greedily once
       it serves; judged here, on the control machine, as ``llamarig verify`` judges them
     + max_slowdown: the share by which the decode speed (``llamarig.pace``: the best of 3
@@ -195,10 +206,11 @@ def serve_or_roll_back(
             env_file="/etc/llamarig/llama-server.env",
             current="/opt/llamarig/current",
             last_good="/var/lib/llamarig/last-good",
+            http_timeouts=HttpTimeouts.of(rig),
         )
     """
     q_service, q_good, q_url = (shlex.quote(value) for value in (service, last_good, base_url))
-    check = _serving_check(base_url, service, timeout, presets)
+    check = _serving_check(base_url, service, timeout, http_timeouts, presets)
     files = _VersionFiles(unit, env_file, current, presets)
     roll_back = _roll_back(service, files, last_good)
     # Values reach messages as printf arguments, never inside double quotes.
@@ -218,7 +230,7 @@ fi
         # fails the operation when it returns False.
         def ask(state, host) -> bool:
             started = time.monotonic()
-            wrong = wrong_answers(host, base_url, answers)
+            wrong = wrong_answers(host, base_url, answers, http_timeouts)
             if not wrong:
                 host.log(
                     f"llamarig: {len(answers)} expected answer(s) right at {base_url} "
@@ -251,7 +263,7 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
             higher; None, the error logged, when a reply has no timings."""
             replies = []
             for _ in range(pace.RUNS):
-                command = StringCommand(pace.decode_command(base_url, probe_model))
+                command = StringCommand(pace.decode_command(base_url, http_timeouts, probe_model))
                 replies.append(host.run_shell_command(command)[1].stdout)
             try:
                 return max(best, pace.decode_speed(replies))
@@ -271,7 +283,7 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
             stored = {"last": last_good, "new": candidate}
 
             def switch_to(version: str) -> bool:
-                drain(host, base_url, service, drain_timeout, models=models)
+                drain(host, base_url, service, drain_timeout, http_timeouts, models=models)
                 switch = _switch_to(service, files, stored[version])
                 return logged(host, switch + f"\nserving || {{\n{roll_back}\n}}\n")
 
@@ -309,7 +321,7 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
 
 
 @operation(is_idempotent=False)
-def reload_presets(base_url: str, timeout: int = 600):
+def reload_presets(base_url: str, timeout: int, connect_timeout: int):
     """
     Make a running llama-server router read its presets file again (``GET /models?reload=1``):
     a model whose options changed, or that is gone, is unloaded; a new one is listed; the
@@ -318,16 +330,18 @@ def reload_presets(base_url: str, timeout: int = 600):
 
     + base_url: e.g. ``http://127.0.0.1:8080``
     + timeout: seconds the router may take (it answers once the changed models have exited)
+    + connect_timeout: seconds to connect (server.http_timeouts.connect)
 
     **Example:**
 
     .. code:: python
 
-        reload_presets(base_url="http://127.0.0.1:8080")
+        reload_presets(base_url="http://127.0.0.1:8080", timeout=600, connect_timeout=5)
     """
     url = shlex.quote(f"{base_url}/models?reload=1")
     yield (
-        f"curl -sS -f --connect-timeout 5 --max-time {int(timeout)} {CURL_AUTH} -o /dev/null "
+        f"curl -sS -f --connect-timeout {int(connect_timeout)} --max-time {int(timeout)} "
+        f"{CURL_AUTH} -o /dev/null "
         f"-- {url}"
     )
 
@@ -407,11 +421,12 @@ exit 1
 """.strip("\n")
 
 
-def wrong_answers(host, base_url: str, answers: list[Answer]) -> list[str]:
+def wrong_answers(host, base_url: str, answers: list[Answer], timeouts: HttpTimeouts) -> list[str]:
     """Ask each answer's question on the host; what each wrong one got (none: all right)."""
     wrong = []
     for answer in answers:
-        _, output = host.run_shell_command(StringCommand(answer_check_command(base_url, answer)))
+        command = answer_check_command(base_url, answer, timeouts)
+        _, output = host.run_shell_command(StringCommand(command))
         status, body = parse_answer_output(output.stdout)
         problem = verdict(answer, status, body)
         if problem:
@@ -564,7 +579,14 @@ fi
 
 
 @operation(is_idempotent=False)
-def restart_rpc_head(head: str, service: str, base_url: str, timeout: int, worker: str):
+def restart_rpc_head(
+    head: str,
+    service: str,
+    base_url: str,
+    timeout: int,
+    http_timeouts: HttpTimeouts,
+    worker: str,
+):
     """
     Restart the head whose RPC worker restarted, over the head's own connection, and wait until
     it serves: the head's llama-server holds its model buffers on the worker, which a restart
@@ -577,6 +599,7 @@ def restart_rpc_head(head: str, service: str, base_url: str, timeout: int, worke
     + service: its llama-server unit, e.g. ``llama-server.service``
     + base_url: where the head reaches its own server, e.g. ``http://127.0.0.1:8080``
     + timeout: seconds the head gets to serve again (its ``server.start_timeout``)
+    + http_timeouts: the head's ``server.http_timeouts``
     + worker: what restarted, for the messages, e.g. ``ggml-rpc-server.service``
 
     **Example:**
@@ -588,6 +611,7 @@ def restart_rpc_head(head: str, service: str, base_url: str, timeout: int, worke
             service="llama-server.service",
             base_url="http://127.0.0.1:8080",
             timeout=600,
+            http_timeouts=HttpTimeouts(connect=5, probe=15, answer=120, generation=600),
             worker="ggml-rpc-server.service",
         )
     """
@@ -597,7 +621,7 @@ def restart_rpc_head(head: str, service: str, base_url: str, timeout: int, worke
     serves = shlex.quote(f"llamarig: {label}, restarted after {worker}, serves again")
     broken = shlex.quote(f"llamarig: {label}, restarted after {worker}, does not serve: ")
     script = (
-        _serving_check(base_url, service, timeout)
+        _serving_check(base_url, service, timeout, http_timeouts)
         + f"""
 if [ "$(systemctl show -P ActiveState -- {quoted})" = inactive ]; then
   echo {not_running}; exit 0
@@ -630,7 +654,9 @@ exit 1
 
 
 @operation(is_idempotent=False)
-def check_serving(unit: str, base_url: str, models: tuple[str, ...] = ()):
+def check_serving(
+    unit: str, base_url: str, http_timeouts: HttpTimeouts, models: tuple[str, ...] = ()
+):
     """
     Fail unless the unit is active, ``/health`` answers 200 and a 4-token completion succeeds
     (the ``ServerProbe`` fact, from the host itself, every request bounded; with every slot
@@ -639,6 +665,7 @@ def check_serving(unit: str, base_url: str, models: tuple[str, ...] = ()):
 
     + unit: the server's unit, e.g. ``llama-server.service``
     + base_url: e.g. ``http://127.0.0.1:8080``
+    + http_timeouts: the rig's server.http_timeouts (connect and probe bound each request)
     + models: a router's model names: the slots of the loaded ones are counted, the completion
       asks one with an idle slot, and none loaded passes (each loads at its first request)
 
@@ -646,22 +673,30 @@ def check_serving(unit: str, base_url: str, models: tuple[str, ...] = ()):
 
     .. code:: python
 
-        check_serving(unit="llama-server.service", base_url="http://127.0.0.1:8080")
+        check_serving(
+            unit="llama-server.service",
+            base_url="http://127.0.0.1:8080",
+            http_timeouts=HttpTimeouts.of(rig),
+        )
     """
     active = known(UnitState, unit=unit)["active"]
-    probe = host.get_fact(ServerProbe, base_url=base_url, models=tuple(models))
+    probe = host.get_fact(
+        ServerProbe, base_url=base_url, timeouts=http_timeouts, models=tuple(models)
+    )
     problems = []
     if not active:
         problems.append(f"{unit} is not active (systemctl status {unit})")
     if probe["health"] == 0:
         problems.append(
-            f"{base_url}/health gave no answer within {PROBE_MAX_S} s (connect "
-            f"{PROBE_CONNECT_S} s): the server is hung or not listening"
+            f"{base_url}/health gave no answer within {http_timeouts.said('probe')}: the "
+            "server is hung or not listening"
         )
     elif probe["health"] != 200:
         problems.append(f"{base_url}/health answered {probe['health']}, not 200")
     elif probe["completion_ok"] is False:
-        problems.append(f"a 4-token {base_url}/completion did not succeed within {PROBE_MAX_S} s")
+        problems.append(
+            f"a 4-token {base_url}/completion did not succeed within {http_timeouts.said('probe')}"
+        )
     if problems:
         yield fail_command("; ".join(problems))
         return

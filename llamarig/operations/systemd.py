@@ -15,6 +15,7 @@ from pyinfra.api import (
 
 from llamarig.factcache import known
 from llamarig.facts import UnitState, parse_slot_counts, slot_counts_command
+from llamarig.httpbounds import HttpTimeouts
 from llamarig.operations.host import connected_host, fail_command
 
 # How often a drain polls the slots, and how often it says what it waits for.
@@ -27,6 +28,7 @@ def drain(
     base_url: str,
     service: str,
     timeout: int,
+    timeouts: HttpTimeouts,
     server_host=None,
     restarting: str = "it",
     models: tuple[str, ...] = (),
@@ -35,7 +37,8 @@ def drain(
     ``timeout`` seconds, saying what it waits for; llama-server has no graceful stop (SIGTERM
     ends the requests in flight), so this is the drain. Returns at once when ``timeout`` is 0
     (server.drain_timeout: do not wait), when nothing is busy or when /slots does not answer (a
-    server that is down or hung has nothing to finish). ``server_host``: the host the server
+    server that is down or hung has nothing to finish). ``timeouts``: the server's
+    server.http_timeouts, which bound each look at /slots. ``server_host``: the host the server
     runs on, where /slots is asked (default ``host``); ``restarting``: what restarts after;
     ``models``: a router's model names (the slots of each loaded one)."""
     if timeout <= 0:
@@ -45,7 +48,7 @@ def drain(
     reported = None
     while True:
         _, output = server_host.run_shell_command(
-            StringCommand(slot_counts_command(base_url, models))
+            StringCommand(slot_counts_command(base_url, timeouts, models))
         )
         lines = output.stdout_lines
         total, busy = parse_slot_counts(lines[-1] if lines else "")
@@ -81,6 +84,7 @@ def restart_service(
     service: str,
     drain_url: str | None = None,
     drain_timeout: int = 0,
+    drain_bounds: HttpTimeouts | None = None,
     drain_host: str | None = None,
     drain_service: str | None = None,
     drain_models: tuple[str, ...] = (),
@@ -93,6 +97,7 @@ def restart_service(
     + service: unit name, e.g. ``llama-server.service``
     + drain_url, drain_timeout: a llama-server's base URL and the most seconds to wait for
       its requests in flight to finish before the restart (``drain``); none: no wait
+    + drain_bounds: that server's server.http_timeouts (each look at its /slots)
     + drain_host, drain_service: the inventory host that llama-server runs on and its unit,
       when it is not this host's ``service`` (an RPC worker drains its head's server, whose
       requests end when the worker goes away); reached over its own connection
@@ -106,13 +111,14 @@ def restart_service(
             service="llama-server.service",
             drain_url="http://127.0.0.1:8080",
             drain_timeout=120,
+            drain_bounds=HttpTimeouts.of(rig),
         )
     """
-    if drain_url:
+    if drain_url and drain_bounds:
 
         def drained(state, host) -> bool:
             if not drain_host:
-                drain(host, drain_url, service, drain_timeout, models=drain_models)
+                drain(host, drain_url, service, drain_timeout, drain_bounds, models=drain_models)
                 return True
             server_host = connected_host(
                 state, drain_host, f"to drain it before {service} restarts"
@@ -126,7 +132,9 @@ def restart_service(
                 )
                 return True
             label = f"{drain_service} on {drain_host}"
-            drain(host, drain_url, label, drain_timeout, server_host, restarting=service)
+            drain(
+                host, drain_url, label, drain_timeout, drain_bounds, server_host, restarting=service
+            )
             return True
 
         yield FunctionCommand(drained, (), {})
