@@ -2,12 +2,13 @@
 #   make demo   - virtualenv, sandbox rig, deploy, then the endpoint and a real question answered
 #   make test   - everything the tests need, then lint, the unit tests and one sandbox scenario
 #   make test-all - the same, then every sandbox scenario (what CI runs)
+#   make test-soak - the scenarios under sustained load for minutes, by themselves
 VENV ?= .venv
 PYTHON ?= python3
 BIN = $(VENV)/bin
 INSTALLED = $(VENV)/.installed
 
-.PHONY: demo test test-all test-fast lint clean-sandbox
+.PHONY: demo test test-all test-soak test-fast lint clean-sandbox
 
 $(INSTALLED): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +34,9 @@ test: $(INSTALLED) lint
 
 test-all: $(INSTALLED) lint
 	scripts/test_tiers.sh all $(BIN)
+
+test-soak: $(INSTALLED)
+	scripts/test_tiers.sh soak $(BIN)
 
 clean-sandbox: $(INSTALLED)
 	$(BIN)/llamarig sandbox down

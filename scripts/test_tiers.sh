@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The test tiers of docs/testing.md: `quick` (make test) and `all` (make test-all, what CI runs).
+# The test tiers of docs/testing.md: `quick` (make test), `all` (make test-all, what CI runs) and
+# `soak` (make test-soak: the scenarios under sustained load, by themselves).
 # One pytest run on two workers (pytest-xdist, `--dist loadgroup`): a worker takes a lane of
 # sandbox scenarios (tests/conftest.py, SCENARIO_LANES) and runs it to the end, the other the
 # unit tests one by one, then the next lane. The sandbox's roots and downloads are prepared
@@ -11,8 +12,9 @@ set -uo pipefail
 tier=${1:-} bin=${2:-.venv/bin}
 case "$tier" in
   quick) selection=(-m "not heavy") releases=(--release trixie) ;;
-  all) selection=(-m "not alone") releases=(--release trixie --release bookworm) ;;
-  *) echo "usage: $0 quick|all [VENV_BIN]" >&2; exit 2 ;;
+  all) selection=(-m "not alone and not soak") releases=(--release trixie --release bookworm) ;;
+  soak) exec "$bin/pytest" -m soak -rs -s --durations=10 ;;
+  *) echo "usage: $0 quick|all|soak [VENV_BIN]" >&2; exit 2 ;;
 esac
 prepared=""
 if [ "$(id -u)" = 0 ]; then
@@ -30,6 +32,6 @@ fi
 # The scenarios whose verdicts rest on speeds measured here run last, by themselves: a build
 # in the other lane slows a decode up to 20-fold, more than any slowdown they must tell apart.
 if [ "$tier" = all ]; then
-  "$bin/pytest" -m alone -rs --durations=10 || status=$?
+  "$bin/pytest" -m "alone and not soak" -rs --durations=10 || status=$?
 fi
 exit "$status"

@@ -25,10 +25,12 @@ default (10%).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
 import signal
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -107,13 +109,14 @@ def inventory(
     metrics: bool = True,
     max_slowdown: float = 0.1,
     api_key_file: Path | None = None,
+    drain_timeout: int = 120,
 ) -> Path:
     """The demo rig (SmolLM2 and its answer) on this module's sandbox with ``ctx``, decoding
     on one thread (THREADS)."""
     keyed = {"api_key_file": str(api_key_file)} if api_key_file else {}
     return sandboxes.demo_rig_inventory(
         directory / f"ctx-{ctx}{'' if metrics else '-no-metrics'}-{max_slowdown}"
-        f"{'-keyed' if keyed else ''}.yml",
+        f"{'-keyed' if keyed else ''}-drain-{drain_timeout}.yml",
         NAME,
         SSH_PORT,
         lambda rig: rig["server"].update(
@@ -122,6 +125,7 @@ def inventory(
             threads=THREADS,
             metrics=metrics,
             max_slowdown=max_slowdown,
+            drain_timeout=drain_timeout,
             **keyed,
         ),
     )
@@ -240,5 +244,89 @@ def test_a_busy_spell_while_the_new_version_is_measured_refuses_nothing(rig):
                 inventory(directory, ctx=2048, metrics=False, max_slowdown=BUSY_MAX_SLOWDOWN)
             )
         )
+        == []
+    )
+
+
+@contextmanager
+def busy_cpus() -> Iterator[None]:
+    """One busy loop pinned to each CPU of this machine (``taskset -c N yes``), throughout."""
+    loops = [
+        subprocess.Popen(["taskset", "-c", str(cpu), "yes"], stdout=subprocess.DEVNULL)
+        for cpu in sorted(os.sched_getaffinity(0))
+    ]
+    try:
+        yield
+    finally:
+        for loop in loops:
+            loop.kill()
+            loop.wait()
+
+
+@contextmanager
+def users_streaming(count: int, tokens: int) -> Iterator[list[tuple[str, bool]]]:
+    """``count`` users, each streaming chat completions of ``tokens`` tokens one after another
+    until the block ends; yields the endings so far: (HTTP status, ended with [DONE])."""
+    body = json.dumps(
+        {
+            "messages": [{"role": "user", "content": "Tell a long story about a llama."}],
+            "max_tokens": tokens,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
+    argv = ["curl", "-sN", "--max-time", "300", "-w", "\nHTTP %{http_code}\n"]
+    argv += ["-H", "Content-Type: application/json", "-d", body]
+    argv += [f"http://127.0.0.1:{SERVER_PORT}/v1/chat/completions"]
+    endings: list[tuple[str, bool]] = []
+    stop = threading.Event()
+
+    def user() -> None:
+        while not stop.is_set():
+            output = subprocess.run(argv, capture_output=True, text=True).stdout
+            endings.append((output.rsplit("HTTP ", 1)[-1].strip(), "data: [DONE]" in output))
+
+    users = [threading.Thread(target=user, daemon=True) for _ in range(count)]
+    for thread in users:
+        thread.start()
+    try:
+        yield endings
+    finally:
+        stop.set()
+        for thread in users:
+            thread.join(timeout=330)
+
+
+# `soak`: 13 min 22 s here (2026-12-04), three deploys of 5 looks each under load: more than
+# CI's whole alone phase, so it runs in its own tier (make test-soak), by itself.
+@pytest.mark.soak
+def test_a_ctx_change_with_users_and_every_cpu_busy_is_kept_three_times(rig):
+    """A change that makes nothing slower (ctx) is kept while 4 users stream and a
+    busy loop is pinned to each CPU, three times in a row: the new and the last version are
+    measured in turns under the same load, so the load cannot fake a slowdown. The drain is
+    bounded at 5 s (the users never stop), so each restart cuts what runs then; the users go
+    on against the next version."""
+    info, directory = rig
+    sandboxes.converge(inventory(directory, ctx=2048, drain_timeout=5))
+    verdicts = []
+    with busy_cpus(), users_streaming(4, tokens=64) as endings:
+        for ctx in (1024, 2048, 1024):
+            started = time.monotonic()
+            result = sandboxes.deploy(inventory(directory, ctx=ctx, drain_timeout=5))
+            output = result.stdout + result.stderr
+            assert result.returncode == 0, f"ctx {ctx} must be kept:\n{output[-4000:]}"
+            kept = re.search(r"the new version decodes at [0-9.]+ tokens/s at best, .*", output)
+            verdicts.append((ctx, round(time.monotonic() - started), kept and kept[0]))
+            assert ctx_running(info) == str(ctx)
+        served = len(endings)
+    print("\n".join(f"ctx {ctx} ({seconds} s): {verdict}" for ctx, seconds, verdict in verdicts))
+    print(
+        f"{served} user requests ended during the three deploys, {sum(d for _, d in endings)} whole"
+    )
+    # The users were served throughout, by every version (cut requests are the drain's bound).
+    assert sum(1 for status, done in endings if status == "200" and done) >= 3 * 4, endings
+    assert in_sandbox(info, f"systemctl is-active {SERVICE}") == "active"
+    assert (
+        changed_operations(sandboxes.converge(inventory(directory, ctx=1024, drain_timeout=5)))
         == []
     )
