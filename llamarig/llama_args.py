@@ -217,6 +217,34 @@ GUARDED = (
 GUARDED_FLAGS = {flag: entry for entry in GUARDED for flag in entry.flags}
 GUARDED_ENV = {name: entry for entry in GUARDED for name in entry.env}
 
+# `server.sampling`: each key's llama-server option (its every spelling and variable; the
+# first flag is the one rendered), in the order the command line carries them. An option is
+# planned, and so refused in the escape hatches, only where the rig sets its key.
+SAMPLING = {
+    key: Guarded(flags, env, f"is planned from `server.sampling.{key}`: set it there only")
+    for key, flags, env in (
+        ("temperature", ("--temp", "--temperature"), ("LLAMA_ARG_TEMPERATURE",)),
+        ("top_k", ("--top-k",), ("LLAMA_ARG_TOP_K",)),
+        ("top_p", ("--top-p",), ("LLAMA_ARG_TOP_P",)),
+        ("min_p", ("--min-p",), ("LLAMA_ARG_MIN_P",)),
+        ("repeat_penalty", ("--repeat-penalty",), ("LLAMA_ARG_REPEAT_PENALTY",)),
+        ("presence_penalty", ("--presence-penalty",), ("LLAMA_ARG_PRESENCE_PENALTY",)),
+        ("frequency_penalty", ("--frequency-penalty",), ("LLAMA_ARG_FREQUENCY_PENALTY",)),
+    )
+}
+
+
+def _guarded_flags(sampling: dict) -> dict[str, Guarded]:
+    """Every planned option by its spellings: GUARDED's, and those ``sampling`` sets."""
+    planned = {key: SAMPLING[key] for key, value in sampling.items() if value is not None}
+    return GUARDED_FLAGS | {flag: entry for entry in planned.values() for flag in entry.flags}
+
+
+def _guarded_env(sampling: dict) -> dict[str, Guarded]:
+    planned = {key: SAMPLING[key] for key, value in sampling.items() if value is not None}
+    return GUARDED_ENV | {name: entry for entry in planned.values() for name in entry.env}
+
+
 # Variables the unit's environment gets from llamarig itself (render.service_environment).
 RIG_ENV = {
     "HOME": "is the unit's state directory, set by llamarig (/var/lib/SERVICE)",
@@ -250,16 +278,17 @@ def option_name(arg: str) -> str:
     return name.replace("_", "-") if name.startswith("--") else name
 
 
-def extra_args_problems(extra_args: list[str]) -> list[tuple]:
-    """(key path, message) for each argument of `server.extra_args` that overrides the plan or
-    that llama-server would not read as meant."""
+def extra_args_problems(extra_args: list[str], sampling: dict) -> list[tuple]:
+    """(key path, message) for each argument of `server.extra_args` that overrides the plan
+    (``sampling``: the rig's server.sampling) or that llama-server would not read as meant."""
     problems: list[tuple] = []
+    guarded = _guarded_flags(sampling)
     for index, arg in enumerate(extra_args):
         if not _OPTION.match(arg):
             continue
         key_path = ("server", "extra_args", index)
         name = option_name(arg)
-        entry = GUARDED_FLAGS.get(name)
+        entry = guarded.get(name)
         if entry:
             spelled = f"`{arg}`" if arg == name else f"`{arg}` (that is `{name}`)"
             problems.append((key_path, f"{spelled} {entry.fix}"))
@@ -284,13 +313,14 @@ def extra_args_problems(extra_args: list[str]) -> list[tuple]:
     return problems
 
 
-def env_problems(env: dict) -> list[tuple]:
-    """(key path, message) for each variable of `server.env` that sets a planned option,
-    carries a secret, or is llamarig's own."""
+def env_problems(env: dict, sampling: dict) -> list[tuple]:
+    """(key path, message) for each variable of `server.env` that sets a planned option
+    (``sampling``: the rig's server.sampling), carries a secret, or is llamarig's own."""
     problems: list[tuple] = []
+    guarded = _guarded_env(sampling)
     for name in env:
         key_path = ("server", "env", name)
-        entry = GUARDED_ENV.get(name)
+        entry = guarded.get(name)
         if entry:
             options = "/".join(flag for flag in entry.flags if flag.startswith("--"))
             problems.append(

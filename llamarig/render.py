@@ -28,6 +28,7 @@ from llamarig.hostpaths import (
     OVERHEADS_DIR,
     SYSTEMD_UNIT_DIRECTORY,
 )
+from llamarig.llama_args import SAMPLING
 from llamarig.model.catalog import is_router, model_views
 
 TEMPLATES_DIR = project_dir("files")
@@ -283,6 +284,9 @@ def model_options(data: dict) -> list[tuple[str, str | None]]:
     if server["chat_template_kwargs"]:
         kwargs = json.dumps(server["chat_template_kwargs"], separators=(",", ":"), sort_keys=True)
         options.append(("--chat-template-kwargs", kwargs))
+    for key, entry in SAMPLING.items():
+        if server["sampling"].get(key) is not None:
+            options.append((entry.flags[0], _number(server["sampling"][key])))
     return options
 
 

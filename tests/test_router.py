@@ -31,19 +31,30 @@ from tests.ggufmodels import Qwen35Shape, write_qwen35
 BOUNDS = default_http_timeouts()
 
 SHA = "a" * 64
+ONE_MODEL = f"""\
+all:
+  hosts:
+    rig1:
+      ssh: {{host: 192.0.2.1, user: root}}
+      llama_cpp: {{backend: cpu}}
+      model: {{url: https://example.org/chat.Q4_K_M.gguf, sha256: "{SHA}"}}
+      server: {{split_mode: none, SERVER}}
+"""
+
 ROUTER = f"""\
 all:
   hosts:
     rig1:
       ssh: {{host: 192.0.2.1, user: root}}
       llama_cpp: {{backend: cpu}}
-      server: {{threads: 2, models_max: 2, idle_unload_seconds: 600}}
+      server: {{threads: 2, models_max: 2, idle_unload_seconds: 600, sampling: {{top_k: 40}}}}
       models:
         - name: chat
           url: https://example.org/chat.Q4_K_M.gguf
           sha256: "{SHA}"
           load_on_startup: true
-          server: {{ctx: 8192, parallel: 4, spec: {{type: [ngram-mod]}}}}
+          server: {{ctx: 8192, parallel: 4, spec: {{type: [ngram-mod]}},
+                   sampling: {{temperature: 0.7, top_p: 0.8, presence_penalty: -0.5}}}}
           expect:
             answers: [{{prompt: "Capital of France?", chat: true, contains: Paris}}]
         - name: code.small
@@ -99,11 +110,17 @@ def test_the_router_runs_every_model_from_its_preset(tmp_path):
     assert chat["m"] == "/opt/llamarig/models/chat.Q4_K_M.gguf"
     assert (chat["c"], chat["np"], chat["t"], chat["spec-type"]) == ("8192", "4", "2", "ngram-mod")
     assert chat["load-on-startup"] == "true" and "kvu" not in chat
+    # Each model's default sampling: its own keys over the rig's.
+    sampled = {key: chat[key] for key in ("temp", "top-k", "top-p", "presence-penalty")}
+    assert sampled == {"temp": "0.7", "top-k": "40", "top-p": "0.8", "presence-penalty": "-0.5"}
     code = dict(line.split(" = ", 1) for line in sections[2].split("\n") if " = " in line)
     assert code["kvu"] == "true" and code["chat-template-kwargs"] == '{"enable_thinking":false}'
     assert code["load-on-startup"] == "false"
+    assert code["top-k"] == "40" and "temp" not in code
     # The check against the binary's --help covers every preset key.
-    assert {"-m", "-c", "-np", "-kvu", "--spec-type"} <= set(render.preset_flags(data))
+    assert {"-m", "-c", "-np", "-kvu", "--spec-type", "--temp", "--top-k"} <= set(
+        render.preset_flags(data)
+    )
     # The router reads its presets again without a restart: it must predate its unit only.
     assert render.layout(data)["model"] == "/etc/systemd/system/llama-server.service"
     data["server"]["models_max"] = None
@@ -287,3 +304,49 @@ def test_the_cli_refuses_a_hostile_model_name_and_tune_a_router_rig(tmp_path, ca
     host = load_inventory(path).hosts["rig1"]
     with pytest.raises(TuneError, match=r"serves several models .* tune measures one model"):
         tune_host(host, path, 1, False, say=lambda line: None)
+
+
+def test_a_one_model_rig_carries_its_sampling_and_guards_it(tmp_path):
+    """server.sampling renders llama-server's sampling options; a key it sets is planned, so
+    the same option in extra_args (any spelling) or env is refused; one it leaves unset is not."""
+    rig = load(tmp_path, ONE_MODEL.replace("SERVER", "sampling: {temperature: 0.6, min_p: 0.05}"))
+    args = render.server_args(rig)
+    assert args[args.index("--temp") + 1] == "0.6" and args[args.index("--min-p") + 1] == "0.05"
+    assert "--top-k" not in args
+    hatches = "sampling: {temperature: 0.6}, extra_args: [--temperature, '1.2', --top-k, '5']"
+    problems = refused(tmp_path, ONE_MODEL.replace("SERVER", hatches))
+    assert any(
+        "server.extra_args.0: `--temperature` (that is `--temp`) is planned from "
+        "`server.sampling.temperature`"
+        in p
+        or "`--temperature` is planned from `server.sampling.temperature`" in p
+        for p in problems
+    ), problems
+    assert not any("extra_args.2" in p for p in problems), problems  # top_k is not set
+    env = "sampling: {temperature: 0.6}, env: {LLAMA_ARG_TEMPERATURE: '1.2'}"
+    problems = refused(tmp_path, ONE_MODEL.replace("SERVER", env))
+    assert any("server.env.LLAMA_ARG_TEMPERATURE" in p and "sampling.temperature" in p
+               for p in problems), problems  # fmt: skip
+    bad = refused(tmp_path, ONE_MODEL.replace("SERVER", "sampling: {temperature: hot}"))
+    assert any("server.sampling.temperature" in p for p in bad), bad
+
+
+def test_a_worker_with_models_is_refused_not_a_traceback(tmp_path):
+    """Found by the schema property test: an RPC worker's entries (whose model is never
+    checked) reached the presets check and crashed on a two-digest entry with no file."""
+    problems = refused(
+        tmp_path,
+        f"""\
+all:
+  hosts:
+    rig1:
+      ssh: {{host: 192.0.2.1, user: root}}
+      role: rpc-worker
+      rpc: {{host: 10.0.0.2}}
+      llama_cpp: {{backend: cpu}}
+      models:
+        - {{name: "00", sha256: ["{SHA}", "{SHA}"]}}
+""",
+    )
+    assert any("an rpc-worker serves one model: `models:` is for a standalone rig" in p
+               for p in problems), problems  # fmt: skip

@@ -49,7 +49,8 @@ def inventory(path: Path, info, third: bool = False, broken: bool = False) -> Pa
             "name": "tiny-random",
             "url": info.test_model_url,
             "sha256": info.test_model_sha256,
-            "server": {"ctx": 1024, "parallel": 1},
+            # Its own default sampling, in its preset section.
+            "server": {"ctx": 1024, "parallel": 1, "sampling": {"temperature": 0.5, "top_k": 10}},
         }
         rig["models"] = [smollm2, tiny]
         if third:
@@ -102,6 +103,7 @@ def test_one_router_serves_both_models_by_name(rig):
     presets = in_sandbox(info, "cat /etc/llamarig/llama-server.presets.ini")
     assert "[smollm2]" in presets and "[tiny-random]" in presets, presets
     assert f"m = {SMOLLM2_FILE}" in presets and "c = 1024" in presets, presets
+    assert "temp = 0.5" in presets and "top-k = 10" in presets, presets
 
     listed = [model["id"] for model in request("/v1/models")["data"]]
     assert sorted(listed) == ["smollm2", "tiny-random"], listed
@@ -114,6 +116,10 @@ def test_one_router_serves_both_models_by_name(rig):
     # The test model's weights are random: it answers, with nonsense.
     reply = request("/completion", {"model": "tiny-random", "prompt": "Hello", "n_predict": 8})
     assert reply["tokens_predicted"] == 8, reply
+    # The child serving it took its sampling defaults from the preset (llama-server's /props,
+    # proxied by the router to the model's own server).
+    params = request("/props?model=tiny-random")["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"]) == (0.5, 10), params
 
     from openai import OpenAI
 

@@ -191,10 +191,16 @@ def semantic_problems(data: dict) -> list[Problem]:
     problems += _rpc_role_problems(data)
     problems += [Problem(*problem) for problem in shape_problems(data)]
     # The escape hatches, and settings that contradict each other, llama.cpp or the hardware.
+    # The escape hatches are the router's on a rig of several models: a model's own sampling
+    # is guarded there too.
+    sampling = dict(server["sampling"])
+    for entry in data.get("models") or []:
+        sampling.update((entry.get("server") or {}).get("sampling") or {})
     problems += [
-        Problem(*problem) for problem in llama_args.extra_args_problems(server["extra_args"])
+        Problem(*problem)
+        for problem in llama_args.extra_args_problems(server["extra_args"], sampling)
     ]
-    problems += [Problem(*problem) for problem in llama_args.env_problems(server["env"])]
+    problems += [Problem(*problem) for problem in llama_args.env_problems(server["env"], sampling)]
     problems += contradiction_problems(data)
     problems += answer_problems(data)
     if not is_router(data):
@@ -256,13 +262,14 @@ def _models_problems(data: dict) -> list[Problem]:
             )
         )
     if data["role"] != "standalone":
-        problems.append(
+        # Its entries are not checked further: a worker's model is never checked or fetched.
+        return problems + [
             Problem(
                 ("models",),
                 f"an {data['role']} serves one model: `models:` is for a "
                 "standalone rig (role: standalone)",
             )  # fmt: skip
-        )
+        ]
     if server["supervisor"] != "systemd":
         problems.append(
             Problem(

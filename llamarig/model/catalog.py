@@ -44,6 +44,7 @@ SERVER_KEYS = (
     "ubatch",
     "spec",
     "chat_template_kwargs",
+    "sampling",
 )
 
 
@@ -72,8 +73,9 @@ def model_views(data: dict) -> list[ModelView]:
         view["models"] = []
         view["model"].update({key: entry[key] for key in MODEL_KEYS if key in entry})
         own = copy.deepcopy(entry.get("server") or {})
-        if "spec" in own:
-            own["spec"] = {**view["server"]["spec"], **own["spec"]}
+        for merged in ("spec", "sampling"):  # a model's own keys over the rig's
+            if merged in own:
+                own[merged] = {**view["server"][merged], **own[merged]}
         view["server"].update(own)
         view["server"]["alias"] = entry["name"]
         view["expect"]["answers"] = copy.deepcopy((entry.get("expect") or {}).get("answers", []))
