@@ -308,7 +308,8 @@ def timed(run: Callable[[], subprocess.CompletedProcess]) -> tuple[float, str, i
 
 def test_a_hung_server_fails_the_converge_and_verify_naming_the_endpoint(sandbox_info, tmp_path):
     # The bounds are the rig's own (server.http_timeouts), not llamarig's defaults (5 and 15);
-    # they change no file on the host.
+    # they change no file on the host: converged as the sandbox rig, the variant changes nothing.
+    converge()
     bounded = variant(tmp_path, server={"http_timeouts": {"connect": 3, "probe": 8}})
     assert changed_operations(converge(bounded)) == []
     healthy_seconds, output, status = timed(lambda: verify(bounded))
