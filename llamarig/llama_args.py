@@ -234,15 +234,21 @@ SAMPLING = {
 }
 
 
+def _planned_sampling(sampling: dict) -> list[Guarded]:
+    """The sampling options ``sampling`` (a rig's server.sampling) sets."""
+    return [SAMPLING[key] for key, value in sampling.items() if value is not None]
+
+
 def _guarded_flags(sampling: dict) -> dict[str, Guarded]:
     """Every planned option by its spellings: GUARDED's, and those ``sampling`` sets."""
-    planned = {key: SAMPLING[key] for key, value in sampling.items() if value is not None}
-    return GUARDED_FLAGS | {flag: entry for entry in planned.values() for flag in entry.flags}
+    planned = _planned_sampling(sampling)
+    return GUARDED_FLAGS | {flag: entry for entry in planned for flag in entry.flags}
 
 
 def _guarded_env(sampling: dict) -> dict[str, Guarded]:
-    planned = {key: SAMPLING[key] for key, value in sampling.items() if value is not None}
-    return GUARDED_ENV | {name: entry for entry in planned.values() for name in entry.env}
+    """Every planned option by its variables: GUARDED's, and those ``sampling`` sets."""
+    planned = _planned_sampling(sampling)
+    return GUARDED_ENV | {name: entry for entry in planned for name in entry.env}
 
 
 # Variables the unit's environment gets from llamarig itself (render.service_environment).

@@ -40,13 +40,14 @@ def _worker(rig: dict, restart_on: list[OperationMeta]) -> list[OperationMeta]:
     systemd.daemon_reload(name="Reload systemd (the worker unit changed)", _if=rpc_unit.did_change)
     inputs = [rpc_unit, *restart_on]
     head = rig["rpc"].get("head")  # none: a worker no head of this inventory uses
+    head_bounds = head and HttpTimeouts(**head["http_timeouts"])
     started, restarted = stage.service_running(
         rpc_service,
         any_changed(*inputs),
         "unit or build changed",
         drain_url=head and head["url"],
         drain_timeout=head["drain_timeout"] if head else 0,
-        drain_bounds=head and HttpTimeouts(**head["http_timeouts"]),
+        drain_bounds=head_bounds,
         drain_host=head and head["name"],
         drain_service=head and head["service"],
     )
@@ -64,7 +65,7 @@ def _worker(rig: dict, restart_on: list[OperationMeta]) -> list[OperationMeta]:
             service=head["service"],
             base_url=head["url"],
             timeout=head["start_timeout"],
-            http_timeouts=HttpTimeouts(**head["http_timeouts"]),
+            http_timeouts=head_bounds,
             worker=rpc_service,
             _if=any_changed(started, restarted),
         )

@@ -146,13 +146,14 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
             name=f"Clear a failed state of {service} before starting it",
             commands=[operations.reset_failed_command(service)],
         )
+    bounds = HttpTimeouts.of(rig)
     started, restarted = stage.service_running(
         service,
         out_of_date,
         "unit, environment, build or model changed, or out of date",
         drain_url=render.base_url(rig),
         drain_timeout=server["drain_timeout"],
-        drain_bounds=HttpTimeouts.of(rig),
+        drain_bounds=bounds,
         drain_models=names,
     )
     checked = [started, restarted]
@@ -165,7 +166,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
                 "serving)",
                 base_url=render.base_url(rig),
                 timeout=server["start_timeout"],
-                connect_timeout=server["http_timeouts"]["connect"],
+                connect_timeout=bounds.connect,
                 _if=lambda: (
                     (presets.did_change() or presets_pending)
                     and not (started.did_change() or restarted.did_change())
@@ -181,7 +182,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         env_file=paths["env_file"],
         current=paths["current"],
         last_good=paths["last_good"],
-        http_timeouts=HttpTimeouts.of(rig),
+        http_timeouts=bounds,
         answers=answers.answers(rig),
         max_slowdown=server["max_slowdown"],
         drain_timeout=server["drain_timeout"],

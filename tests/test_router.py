@@ -31,21 +31,25 @@ from tests.ggufmodels import Qwen35Shape, write_qwen35
 BOUNDS = default_http_timeouts()
 
 SHA = "a" * 64
-ONE_MODEL = f"""\
+# The start of each inline inventory: one host, rig1, reached at a documentation address.
+RIG1 = """\
 all:
   hosts:
     rig1:
-      ssh: {{host: 192.0.2.1, user: root}}
+      ssh: {host: 192.0.2.1, user: root}
+"""
+ONE_MODEL = (
+    RIG1
+    + f"""\
       llama_cpp: {{backend: cpu}}
       model: {{url: https://example.org/chat.Q4_K_M.gguf, sha256: "{SHA}"}}
       server: {{split_mode: none, SERVER}}
 """
+)
 
-ROUTER = f"""\
-all:
-  hosts:
-    rig1:
-      ssh: {{host: 192.0.2.1, user: root}}
+ROUTER = (
+    RIG1
+    + f"""\
       llama_cpp: {{backend: cpu}}
       server: {{threads: 2, models_max: 2, idle_unload_seconds: 600, sampling: {{top_k: 40}}}}
       models:
@@ -61,6 +65,7 @@ all:
           path: /srv/models/code.gguf
           server: {{ctx: 2048, kv_unified: true, chat_template_kwargs: {{enable_thinking: false}}}}
 """
+)
 
 
 def load(tmp_path: Path, text: str) -> dict:
@@ -336,11 +341,8 @@ def test_a_worker_with_models_is_refused_not_a_traceback(tmp_path):
     checked) reached the presets check and crashed on a two-digest entry with no file."""
     problems = refused(
         tmp_path,
-        f"""\
-all:
-  hosts:
-    rig1:
-      ssh: {{host: 192.0.2.1, user: root}}
+        RIG1
+        + f"""\
       role: rpc-worker
       rpc: {{host: 10.0.0.2}}
       llama_cpp: {{backend: cpu}}

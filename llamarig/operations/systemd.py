@@ -97,7 +97,8 @@ def restart_service(
     + service: unit name, e.g. ``llama-server.service``
     + drain_url, drain_timeout: a llama-server's base URL and the most seconds to wait for
       its requests in flight to finish before the restart (``drain``); none: no wait
-    + drain_bounds: that server's server.http_timeouts (each look at its /slots)
+    + drain_bounds: that server's server.http_timeouts (each look at its /slots); required
+      with ``drain_url``
     + drain_host, drain_service: the inventory host that llama-server runs on and its unit,
       when it is not this host's ``service`` (an RPC worker drains its head's server, whose
       requests end when the worker goes away); reached over its own connection
@@ -114,7 +115,7 @@ def restart_service(
             drain_bounds=HttpTimeouts.of(rig),
         )
     """
-    if drain_url and drain_bounds:
+    if drain_url:
 
         def drained(state, host) -> bool:
             if not drain_host:
