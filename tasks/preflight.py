@@ -16,7 +16,8 @@ def deploy() -> None:
     rig = stage.rig()
     stage.read_system()
     distribution = known(LinuxDistribution)
-    problems = os_problems(distribution, known(Arch))
+    unsupported = os_problems(distribution, known(Arch))
+    problems = list(unsupported)
 
     pci_gpus = known(NvidiaPciDevices)
     driver_gpus = known(NvidiaSmiGpus)
@@ -28,12 +29,14 @@ def deploy() -> None:
             "no NVIDIA GPU on the PCI bus (sysfs vendor 0x10de) and no nvidia-smi answer; set "
             "llama_cpp.backend: cpu and driver/cuda source: none for a CPU-only rig"
         )
-    if problems:
+    # A rig that declares its GPUs is planned even on a host where they are missing, so that
+    # one refusal names everything to fix: the missing GPUs and what the plan finds wrong.
+    if unsupported or (problems and not rig["gpus"]):
         stage.refuse(problems)
     # The plan checks the GPUs against the declaration, the version floors and the memory.
     plan = stage.plan()
-    if plan.errors:
-        stage.refuse(plan.errors)
+    if problems or plan.errors:
+        stage.refuse(problems + plan.errors)
     for warning in plan.warnings:
         host.noop(f"warning: {warning}")
     stage.read_managed_state()

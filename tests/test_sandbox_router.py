@@ -37,7 +37,13 @@ SMOLLM2_FILE = "/opt/llamarig/models/SmolLM2-135M-Instruct.Q4_1.gguf"
 BROKEN_FILE = "/srv/broken.gguf"
 
 
-def inventory(path: Path, info, third: bool = False, broken: bool = False) -> Path:
+# A 2 GiB Turing card, declared: each model fits on it alone, all of them at once do not.
+SMALL_GPU = {"name": "NVIDIA T400", "vram_mib": 2048, "compute_capability": "7.5"}
+
+
+def inventory(
+    path: Path, info, third: bool = False, broken: bool = False, small_gpu: bool = False
+) -> Path:
     """The demo rig with its model and answers moved into `models:`, beside the test model."""
 
     def edit(rig: dict) -> None:
@@ -60,6 +66,9 @@ def inventory(path: Path, info, third: bool = False, broken: bool = False) -> Pa
             )  # fmt: skip
         if broken:
             rig["models"].append({"name": "broken", "path": BROKEN_FILE})
+        if small_gpu:
+            rig.update(driver={"source": "distro"}, cuda={"source": "distro"}, gpus=[SMALL_GPU])
+            rig["llama_cpp"]["backend"] = "cuda"
         rig["server"].update(port=SERVER_PORT, threads=1)
         sandboxes.speed_unmeasured(rig)
 
@@ -217,3 +226,45 @@ def test_a_model_that_does_not_load_rolls_the_router_back_naming_it(rig):
     assert "Paris" in reply["choices"][0]["message"]["content"], reply
     # The rig data without the broken entry is what serves: nothing to change.
     assert changed_operations(sandboxes.converge(directory / "router3.yml")) == []
+
+
+# Where the deploy writes: a refused plan must leave every one of them as it was.
+WRITTEN_PLACES = "/etc /opt /usr/local /var/lib/llamarig /var/lib/dpkg"
+
+
+def test_models_that_cannot_fit_together_are_refused_before_the_host_is_touched(rig):
+    """The rig moved onto a declared 2 GiB GPU: each model fits on it alone, the three that
+    may be loaded at once do not. The sandbox has no GPU, so the one refusal names that too;
+    the deploy stops before any stage, and the rig serves on as it was."""
+    info, directory = rig
+    pid = in_sandbox(info, "systemctl show -P MainPID llama-server.service")
+    in_sandbox(info, "touch /run/llamarig-before-refusal")
+    path = inventory(directory / "small-gpu.yml", info, third=True, small_gpu=True)
+
+    planned = sandboxes.llamarig(path, "plan")
+    assert planned.returncode != 0, planned.stdout
+    assert f"== {NAME}: REFUSED" in planned.stdout, planned.stdout
+    assert re.search(r"NVIDIA T400 +\d+ +\d+ +2048 +[1-9]\d*", planned.stdout), planned.stdout
+
+    result = sandboxes.deploy(path)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-4000:]
+    found = re.search(
+        r"the models that may be loaded at once \(([^)]+)\) do not fit together: "
+        r"NVIDIA T400 lacks (\d+) MiB \((\d+) needed, 2048 there\)",
+        output,
+    )
+    assert found, output[-4000:]
+    assert sorted(found[1].split(", ")) == ["smollm2", "smollm2-short", "tiny-random"]
+    assert int(found[2]) == int(found[3]) - 2048 > 0
+    assert "no NVIDIA GPU on the PCI bus" in output, output[-4000:]
+    # Each model alone fits: the refusal is about the models together, not one of them.
+    assert "does not fit in GPU memory" not in output, output[-4000:]
+
+    touched = in_sandbox(
+        info, f"find {WRITTEN_PLACES} -newer /run/llamarig-before-refusal 2>/dev/null || true"
+    )
+    assert touched == "", touched
+    assert in_sandbox(info, "systemctl show -P MainPID llama-server.service") == pid
+    reply = request("/completion", {"model": "tiny-random", "prompt": "Hello", "n_predict": 4})
+    assert reply["tokens_predicted"] == 4, reply
