@@ -86,3 +86,28 @@ def loaded_at_once(models: list[PlannedModel], models_max: int | None) -> AtOnce
             "parallel, or serve fewer models"
         )
     return at_once
+
+
+def preset_sections_of(lines: list[str]) -> dict[str, list[str]]:
+    """The sections of a presets file llamarig wrote (``render.render_presets``), each model's
+    name with its option lines as written."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in (line.strip() for line in lines):
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+        elif current is not None and line and not line.startswith(";"):
+            current.append(line)
+    return sections
+
+
+def unloaded_by_reload(served: list[str] | None, new: str) -> list[str]:
+    """The models a router unloads when it reads the presets ``new`` in place of ``served``
+    (the lines of the presets it serves; None: not known, so every one of them may be): those
+    whose section changed or is gone, as llama-server's reload decides (server-models.cpp)."""
+    wanted = preset_sections_of(new.splitlines())
+    if served is None:
+        return list(wanted)
+    return [
+        name for name, options in preset_sections_of(served).items() if wanted.get(name) != options
+    ]

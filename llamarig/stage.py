@@ -122,7 +122,7 @@ def read_managed_state() -> None:
     paths = render.layout(data)
     service = f"{data['server']['service']}.service"
     small_files = [paths["unit"], paths["env_file"], paths["launcher"], paths["rpc_unit"]]
-    if is_router(data):  # the presets, and those that last served
+    if is_router(data):  # the presets, and those that last served (what a reload unloads)
         small_files += [paths["presets"], f"{paths['last_good']}/presets"]
     if data["driver"]["source"] != "none" and data["kernel_modules"]["manage"]:
         small_files += [boot.BLACKLIST_PATH, boot.MODULES_LOAD_PATH]
@@ -133,6 +133,7 @@ def read_managed_state() -> None:
         (GitLocalCommit, {"repo": paths["source"]}),
         (BuildDirectories, {"path": paths["builds"]}),
         (FileContents, {"path": f"{paths['last_good']}/current"}),
+        *([(FileContents, {"path": f"{paths['last_good']}/presets"})] if is_router(data) else []),
         (RunningService, {"service": service, "model": paths["model"]}),
         (UnitState, {"unit": service}),
         (UnitState, {"unit": f"{data['rpc']['service']}.service"}),

@@ -8,6 +8,7 @@ from io import StringIO
 
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
+from pyinfra.facts.files import FileContents
 from pyinfra.operations import server as server_ops
 from pyinfra.operations import systemd
 from pyinfra.operations.util import any_changed
@@ -17,6 +18,7 @@ from llamarig.factcache import known
 from llamarig.facts import FileState, RunningService
 from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import model_views
+from llamarig.router import unloaded_by_reload
 
 
 @api.deploy("tasks/server.py")
@@ -114,8 +116,10 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
             mode="644",
         )
         # Not the presets that last served (a run cut short before the reload): reload them.
-        applied = known(FileState, path=f"{paths['last_good']}/presets") or {}
+        served = f"{paths['last_good']}/presets"
+        applied = known(FileState, path=served) or {}
         presets_pending = applied.get("sha256") != render.sha256_text(text)
+        unloading = tuple(unloaded_by_reload(known(FileContents, path=served), text))
     # A run cut short after writing the unit, environment, link or model but before the
     # restart leaves the old process running: compare it with what it should run.
     running = known(RunningService, service=service, model=paths["model"])
@@ -165,8 +169,11 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
                 name=f"Reload the router's presets ({', '.join(names)}; unchanged models keep "
                 "serving)",
                 base_url=render.base_url(rig),
+                service=service,
                 timeout=server["start_timeout"],
-                connect_timeout=bounds.connect,
+                http_timeouts=bounds,
+                unloading=unloading,
+                drain_timeout=server["drain_timeout"],
                 _if=lambda: (
                     (presets.did_change() or presets_pending)
                     and not (started.did_change() or restarted.did_change())

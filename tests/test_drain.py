@@ -81,3 +81,43 @@ def test_nothing_to_wait_for(busy):
     )
     assert server.said == []
     assert len(server.commands) == (1 if busy else 0)
+
+
+def test_a_presets_reload_waits_for_the_requests_of_the_models_it_unloads():
+    server = Host(busy=[1, 0])
+    commands = list(
+        operations.reload_presets._inner(
+            base_url="http://127.0.0.1:8100",
+            service="llama-server.service",
+            timeout=120,
+            http_timeouts=BOUNDS,
+            unloading=("smollm2",),
+            drain_timeout=60,
+        )
+    )
+    drained, reload = commands
+    drained.function(None, server)
+    # Only the unloaded model's slots are asked for, never loading it to ask.
+    assert len(server.commands) == 2
+    assert all("/slots?model=smollm2&autoload=false" in c for c in server.commands)
+    assert not any("tiny" in c for c in server.commands)
+    assert server.said[0].startswith(
+        "llamarig: waiting for 1 of 2 slots of llama-server.service to finish their requests "
+        "before restarting the model(s) whose presets changed (smollm2) ("
+    )
+    assert "/models?reload=1" in reload and "--connect-timeout 5 --max-time 120 " in reload
+
+
+@pytest.mark.parametrize("unloading, bound", [((), 60), (("smollm2",), 0)])
+def test_a_reload_that_unloads_nothing_or_may_not_wait_reloads_at_once(unloading, bound):
+    commands = list(
+        operations.reload_presets._inner(
+            base_url="http://127.0.0.1:8100",
+            service="llama-server.service",
+            timeout=120,
+            http_timeouts=BOUNDS,
+            unloading=unloading,
+            drain_timeout=bound,
+        )
+    )
+    assert len(commands) == 1 and "/models?reload=1" in commands[0]

@@ -24,7 +24,7 @@ from llamarig.facts import ServerProbe, slot_counts_command
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.model.catalog import model_views, with_views
 from llamarig.plan import plan_host
-from llamarig.router import PlannedModel, loaded_at_once
+from llamarig.router import PlannedModel, loaded_at_once, preset_sections_of, unloaded_by_reload
 from tests.conftest import PROJECT, default_http_timeouts
 from tests.ggufmodels import Qwen35Shape, write_qwen35
 
@@ -352,3 +352,21 @@ def test_a_worker_with_models_is_refused_not_a_traceback(tmp_path):
     )
     assert any("an rpc-worker serves one model: `models:` is for a standalone rig" in p
                for p in problems), problems  # fmt: skip
+
+
+def test_a_reload_unloads_the_models_whose_section_changed_or_is_gone(tmp_path):
+    data = load(tmp_path, ROUTER)
+    for model in data["models"]:
+        model.setdefault("server", {})["split_mode"] = "none"
+    served = render.render_presets(data)
+    lines = served.splitlines()
+    assert list(preset_sections_of(lines)) == ["code.small", "chat"]
+    assert unloaded_by_reload(lines, served) == []
+    assert unloaded_by_reload(lines, served.replace("c = 8192", "c = 4096")) == ["chat"]
+    # chat gone: it is unloaded; code.small, unchanged, keeps serving.
+    data["models"] = data["models"][1:]
+    assert unloaded_by_reload(lines, render.render_presets(data)) == ["chat"]
+    # A new model is loaded when asked for: nothing it serves is cut.
+    assert unloaded_by_reload(render.render_presets(data).splitlines(), served) == []
+    # Not known what the router serves (no presets that served): each may be unloaded.
+    assert unloaded_by_reload(None, served) == ["code.small", "chat"]

@@ -42,7 +42,12 @@ SMALL_GPU = {"name": "NVIDIA T400", "vram_mib": 2048, "compute_capability": "7.5
 
 
 def inventory(
-    path: Path, info, third: bool = False, broken: bool = False, small_gpu: bool = False
+    path: Path,
+    info,
+    third: bool = False,
+    broken: bool = False,
+    small_gpu: bool = False,
+    smollm2_top_k: int | None = None,
 ) -> Path:
     """The demo rig with its model and answers moved into `models:`, beside the test model."""
 
@@ -51,6 +56,8 @@ def inventory(
         # 2,048 tokens a slot: room for a stream that outlasts a converge.
         smollm2["server"] = {"ctx": 4096, "parallel": 2}
         smollm2["expect"] = {"answers": rig.pop("expect")["answers"]}
+        if smollm2_top_k:
+            smollm2["server"]["sampling"] = {"top_k": smollm2_top_k}
         tiny = {
             "name": "tiny-random",
             "url": info.test_model_url,
@@ -226,6 +233,35 @@ def test_a_model_that_does_not_load_rolls_the_router_back_naming_it(rig):
     assert "Paris" in reply["choices"][0]["message"]["content"], reply
     # The rig data without the broken entry is what serves: nothing to change.
     assert changed_operations(sandboxes.converge(directory / "router3.yml")) == []
+
+
+def test_a_changed_model_is_unloaded_only_once_its_requests_end(rig):
+    """A changed preset unloads that model's server (llama-server's reload stops its child):
+    the converge first waits for the request it serves, within server.drain_timeout, so the
+    stream running through it ends whole; then the model serves with its new setting."""
+    info, directory = rig
+    pid = in_sandbox(info, "systemctl show -P MainPID llama-server.service")
+    path = inventory(directory / "router-top-k.yml", info, third=True, smollm2_top_k=40)
+    said: dict = {}
+    streaming = threading.Thread(target=stream, args=("smollm2", 1200, said))
+    streaming.start()
+    deadline = time.monotonic() + 120
+    while "first" not in said and "error" not in said and time.monotonic() < deadline:
+        time.sleep(0.1)
+    result = sandboxes.deploy(path)
+    output = result.stdout + result.stderr
+    streaming.join(600)
+    assert result.returncode == 0, output[-4000:]
+    assert "error" not in said and said["tokens"] == 1200, said
+    assert (
+        "slots of llama-server.service to finish their requests before restarting the "
+        "model(s) whose presets changed (smollm2)" in output
+    ), output[-4000:]
+    assert "the requests in flight on llama-server.service finished after" in output
+    assert in_sandbox(info, "systemctl show -P MainPID llama-server.service") == pid
+    params = request("/props?model=smollm2")["default_generation_settings"]["params"]
+    assert params["top_k"] == 40, params
+    assert changed_operations(sandboxes.converge(path)) == []
 
 
 # Where the deploy writes: a refused plan must leave every one of them as it was.

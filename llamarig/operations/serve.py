@@ -321,26 +321,52 @@ printf 'llamarig: the new version of %s answers wrongly: %s\\n' {q_service} {why
 
 
 @operation(is_idempotent=False)
-def reload_presets(base_url: str, timeout: int, connect_timeout: int):
+def reload_presets(
+    base_url: str,
+    service: str,
+    timeout: int,
+    http_timeouts: HttpTimeouts,
+    unloading: tuple[str, ...] = (),
+    drain_timeout: int = 0,
+):
     """
     Make a running llama-server router read its presets file again (``GET /models?reload=1``):
     a model whose options changed, or that is gone, is unloaded; a new one is listed; the
-    others keep running and serving. Guard it with ``_if=``: it always reloads; check what it
-    serves after it (``serve_or_roll_back``).
+    others keep running and serving. The requests in flight on the models it unloads are
+    waited for first, as a restart waits for the server's. Guard it with ``_if=``: it always
+    reloads; check what it serves after it (``serve_or_roll_back``).
 
     + base_url: e.g. ``http://127.0.0.1:8080``
+    + service: the router's unit, as the drain names it
     + timeout: seconds the router may take (it answers once the changed models have exited)
-    + connect_timeout: seconds to connect (server.http_timeouts.connect)
+    + http_timeouts: the server's server.http_timeouts (the connect bound; each look at /slots)
+    + unloading: the models the reload unloads (``router.unloaded_by_reload``)
+    + drain_timeout: seconds to wait for their requests in flight (server.drain_timeout)
 
     **Example:**
 
     .. code:: python
 
-        reload_presets(base_url="http://127.0.0.1:8080", timeout=600, connect_timeout=5)
+        reload_presets(
+            base_url="http://127.0.0.1:8080",
+            service="llama-server.service",
+            timeout=600,
+            http_timeouts=HttpTimeouts.of(rig),
+            unloading=("chat",),
+            drain_timeout=120,
+        )
     """
+    if unloading and drain_timeout > 0:
+
+        def drained(state, host) -> bool:
+            changed = f"the model(s) whose presets changed ({', '.join(unloading)})"
+            drain(host, base_url, service, drain_timeout, http_timeouts, None, changed, unloading)
+            return True
+
+        yield FunctionCommand(drained, (), {})
     url = shlex.quote(f"{base_url}/models?reload=1")
     yield (
-        f"curl -sS -f --connect-timeout {int(connect_timeout)} --max-time {int(timeout)} "
+        f"curl -sS -f --connect-timeout {int(http_timeouts.connect)} --max-time {int(timeout)} "
         f"{CURL_AUTH} -o /dev/null "
         f"-- {url}"
     )
