@@ -99,28 +99,11 @@ def check(name: str, ok: bool, detail: object = None) -> bool:
 
 def deploy(inventory: Path, log_name: str) -> tuple[dict, str]:
     """`pyinfra -y --json inventory.py deploy.py` with RIG_INVENTORY; its record and output."""
-    start = time.monotonic()
-    result = subprocess.run(
-        [sys.executable, "-m", "pyinfra", "-y", "--json", "inventory.py", "deploy.py"],
-        cwd=ROOT,
-        env=bench.env_for(inventory),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    entry: dict = {"seconds": round(time.monotonic() - start, 1), "rc": result.returncode}
-    output = result.stderr + "\n" + result.stdout
-    (LOGS / log_name).write_text(
-        f"$ RIG_INVENTORY={inventory} python3 -m pyinfra -y --json inventory.py deploy.py\n"
-        + output
-    )
-    with contextlib.suppress(ValueError, KeyError):
-        operations = json.loads(result.stdout)["results"]["operations"]
-        entry["changed_ops"] = [
-            op["name"].split(" | ", 1)[-1] for op in operations if op["success"]
-        ]
-        entry["changed"] = len(entry["changed_ops"])
-    return entry, output
+    run = bench.run_deploy(inventory, LOGS / log_name)
+    entry: dict = {"seconds": run.seconds, "rc": run.rc}
+    if run.changed_ops is not None:
+        entry.update(changed_ops=run.changed_ops, changed=len(run.changed_ops))
+    return entry, run.output
 
 
 def main_pid() -> int:

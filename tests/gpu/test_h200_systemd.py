@@ -100,23 +100,8 @@ def rig() -> Path:
 def deploy(inventory: Path, log_name: str) -> tuple[int, list[str], str]:
     """`pyinfra -y --json inventory.py deploy.py` with RIG_INVENTORY: its exit status, the
     operations that changed something and its output (kept in LOGS)."""
-    result = subprocess.run(
-        [sys.executable, "-m", "pyinfra", "-y", "--json", "inventory.py", "deploy.py"],
-        cwd=PROJECT,
-        env=bench.env_for(inventory),
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    output = result.stderr + "\n" + result.stdout
-    (LOGS / log_name).write_text(output)
-    changed = []
-    try:
-        operations = json.loads(result.stdout)["results"]["operations"]
-        changed = [op["name"].split(" | ", 1)[-1] for op in operations if op["success"]]
-    except (ValueError, KeyError):
-        pass
-    return result.returncode, changed, output
+    run = bench.run_deploy(inventory, LOGS / log_name)
+    return run.rc, run.changed_ops or [], run.output
 
 
 def main_pid(box: SystemdRoot) -> int:
