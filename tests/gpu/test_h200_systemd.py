@@ -22,15 +22,18 @@ import re
 import secrets
 import shlex
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
+import yaml
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -294,3 +297,111 @@ def test_a_change_refused_at_load_is_rolled_back_and_the_last_version_serves(box
     assert status_code("/completion", api_key()) == 200
     status, changed, output = deploy(good, "converge-after-rollback.log")
     assert status == 0 and changed == [], (changed, output[-2000:])
+
+
+# A name only the host resolves (in the root's /etc/hosts, not the machine's): the control side
+# cannot read a model's header from it, as a CI runner cannot reach a model hub (issue 28).
+MODEL_HOST = "models.rig.invalid"
+
+
+def test_a_url_only_the_host_reaches_is_planned_there_and_the_first_converge_is_final(
+    box, monkeypatch, tmp_path
+):
+    """The rig's model moves to a URL the control side cannot resolve; its header cache is
+    empty. The plan asks the host for the header (curl -r over SSH), so the first converge
+    downloads the model and installs the final unit (ctx auto: planned from the header), the
+    lock records the header, the next converge changes nothing, and a plan made on the
+    control side afterwards, still blind to the URL, is final."""
+    from llamarig_sandbox.fileserver import make_server
+
+    with pytest.raises(OSError):
+        socket.getaddrinfo(MODEL_HOST, 80)
+    server = make_server(bench.MODELS, 0)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    box.run(f"echo '127.0.0.1 {MODEL_HOST}' >> /etc/hosts")
+    monkeypatch.setenv("LLAMARIG_HEADER_CACHE", str(tmp_path / "headers"))
+    digest = subprocess.run(
+        ["sha256sum", str(MODEL)], capture_output=True, text=True, check=True
+    ).stdout.split()[0]
+    document = yaml.safe_load(rig().read_text())
+    rig_data = document["all"]["children"]["gpu"]["hosts"][HOST_NAME]
+    url = f"http://{MODEL_HOST}:{server.server_address[1]}/{MODEL.name}"
+    rig_data["model"] = {"url": url, "sha256": digest}
+    rig_data["server"]["ctx"] = "auto"
+    directory = bench.WORK / "url-rig"  # its own models.lock.yml
+    directory.mkdir(exist_ok=True)
+    (directory / "models.lock.yml").unlink(missing_ok=True)
+    inventory = directory / f"{HOST_NAME}.yml"
+    inventory.write_text(yaml.safe_dump(document))
+    try:
+        status, changed, output = deploy(inventory, "converge-url-first.log")
+        assert status == 0, output[-4000:]
+        assert "provisional" not in output.lower(), output[-4000:]
+        assert any(name.startswith("Model ") for name in changed), changed
+        lock = yaml.safe_load((directory / "models.lock.yml").read_text())
+        assert [entry["file"] for entry in lock["headers"]] == [{"sha256": digest}], lock
+        planned = cli("plan", "--json", inventory=inventory)
+        assert planned.returncode == 0, planned.stdout + planned.stderr
+        (host,) = json.loads(planned.stdout)
+        assert host["provisional"] == [] and host["fits"], host
+        running = cmdline(box, main_pid(box))
+        print(f"planned ctx {host['ctx']}; the unit runs: {running}")
+        assert f" -c {host['ctx']} " in running and f" -m /opt/llamarig/models/{MODEL.name} " in (
+            running
+        )
+        status, changed, output = deploy(inventory, "converge-url-second.log")
+        assert status == 0 and changed == [], (changed, output[-3000:])
+    finally:
+        server.shutdown()
+
+
+def plan_lines(inventory: Path) -> list[str]:
+    result = cli("plan", "--probe", inventory=inventory, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.splitlines()
+
+
+def test_a_router_serves_two_models_by_name_within_the_planned_memory(box):
+    """Issue 30 through the deploy on the GPU: the 8B file under two names (each its own
+    llama-server child with its own context), both loaded by the deploy's check; each answers
+    by name through the router, the GPU holds no more than the plan's worst case with its
+    margin, verify passes and the next converge changes nothing."""
+    document = yaml.safe_load(rig().read_text())
+    rig_data = document["all"]["children"]["gpu"]["hosts"][HOST_NAME]
+    model = rig_data.pop("model")
+    rig_data["models"] = [
+        {"name": "llama-a", **model, "load_on_startup": True, "server": {"ctx": 16384}},
+        {"name": "llama-b", **model, "server": {"ctx": 4096}},
+    ]
+    rig_data.pop("expect", None)
+    inventory = bench.WORK / "h200-systemd-router.yml"
+    inventory.write_text(yaml.safe_dump(document))
+    status, changed, output = deploy(inventory, "converge-router.log")
+    assert status == 0, output[-4000:]
+    headers = {"Authorization": f"Bearer {api_key()}", "Content-Type": "application/json"}
+    base = render.base_url(bench.host_data(inventory))
+    with urllib.request.urlopen(
+        urllib.request.Request(f"{base}/v1/models", headers=headers), timeout=60
+    ) as reply:
+        listed = sorted(entry["id"] for entry in json.load(reply)["data"])
+    assert listed == ["llama-a", "llama-b"], listed
+    for name in listed:
+        body = json.dumps({"model": name, "prompt": "Hello", "n_predict": 8}).encode()
+        request = urllib.request.Request(f"{base}/completion", body, headers)
+        with urllib.request.urlopen(request, timeout=300) as reply:
+            assert json.load(reply)["tokens_predicted"] == 8, name
+    used = int(subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip())  # fmt: skip
+    lines = plan_lines(inventory)
+    at_once = lines.index(next(line for line in lines if "loaded at once" in line))
+    row = next(line.split() for line in lines[at_once:] if line.strip().startswith("NVIDIA H200"))
+    planned, need = int(row[-4]), int(row[-3])
+    print(f"both loaded: nvidia-smi {used} MiB, planned {planned} MiB, with the margin {need}")
+    (LOGS / "router-memory.txt").write_text(f"used {used}\nplanned {planned}\nneed {need}\n")
+    assert used <= need, (used, planned, need)
+    result = cli("verify", "--", "-q", inventory=inventory)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    status, changed, output = deploy(inventory, "converge-router-again.log")
+    assert status == 0 and changed == [], (changed, output[-3000:])
