@@ -1,6 +1,7 @@
 """`llamarig verify` glue: the ssh configuration it hands testinfra and the expectations file."""
 
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -71,3 +72,53 @@ def test_a_hung_server_fails_the_api_checks_within_the_probe_bound(monkeypatch, 
         f"{base}/health gave no answer within 2 s (connect 5 s; server.http_timeouts.probe)"
     )
     assert waited < 10, f"the check waited {waited:.1f} s"
+
+
+class GpuHost:
+    """A testinfra host whose nvidia-smi lists ``apps`` (pid, bus id, MiB) and whose ps lists
+    ``children`` of the server's PID."""
+
+    def __init__(self, apps: list[tuple[str, str, int]], children: list[str]) -> None:
+        self.apps, self.children = apps, children
+
+    def run(self, command: str):
+        if command.startswith("ps -o pid= --ppid"):
+            return SimpleNamespace(stdout="\n".join(f"  {pid}" for pid in self.children))
+        if "--query-compute-apps" in command:
+            return SimpleNamespace(stdout="\n".join(f"{p}, {b}, {m}" for p, b, m in self.apps))
+        raise AssertionError(command)
+
+    def file(self, path: str):
+        return SimpleNamespace(exists=path.removeprefix("/proc/") in {"100", "201", "202"})
+
+
+H200 = [{"name": "NVIDIA H200", "pci.bus_id": "00000000:00:05.0"}]
+
+
+@pytest.mark.parametrize(
+    "models, apps, children, verdict",
+    [
+        # One model: the server's own process holds the GPU.
+        ([], [("100", "00000000:00:05.0", 9000)], [], "passes"),
+        ([], [("201", "00000000:00:05.0", 9000)], [], "fails"),
+        # A router holds no model: the model servers it started do (found on the H200: the
+        # check asked the router's own PID and failed a rig that served on the GPU).
+        ([{"name": "a"}], [("201", "00000000:00:05.0", 9000)], ["201", "202"], "passes"),
+        ([{"name": "a"}], [("100", "00000000:00:05.0", 4)], ["201"], "fails"),
+        ([{"name": "a"}], [], [], "skips"),
+    ],
+)
+def test_the_gpu_check_asks_for_the_processes_that_hold_models(models, apps, children, verdict):
+    from llamarig.checks import test_rig
+
+    data = {"models": models, "server": {"split_mode": "none"}}
+    check = test_rig.test_server_runs_on_the_gpus
+    host = GpuHost(apps, children)
+    if verdict == "passes":
+        check(host, data, H200, "100")
+    elif verdict == "fails":
+        with pytest.raises(AssertionError, match="holds no GPU memory"):
+            check(host, data, H200, "100")
+    else:
+        with pytest.raises(pytest.skip.Exception, match="no model loaded"):
+            check(host, data, H200, "100")
