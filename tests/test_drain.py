@@ -83,19 +83,23 @@ def test_nothing_to_wait_for(busy):
     assert len(server.commands) == (1 if busy else 0)
 
 
-def test_a_presets_reload_waits_for_the_requests_of_the_models_it_unloads():
-    server = Host(busy=[1, 0])
-    commands = list(
+def reload_commands(unloading: tuple[str, ...], drain_timeout: int) -> list:
+    """What reload_presets yields for a router at 8100 unloading ``unloading``."""
+    return list(
         operations.reload_presets._inner(
             base_url="http://127.0.0.1:8100",
             service="llama-server.service",
             timeout=120,
             http_timeouts=BOUNDS,
-            unloading=("smollm2",),
-            drain_timeout=60,
+            unloading=unloading,
+            drain_timeout=drain_timeout,
         )
     )
-    drained, reload = commands
+
+
+def test_a_presets_reload_waits_for_the_requests_of_the_models_it_unloads():
+    server = Host(busy=[1, 0])
+    drained, reload = reload_commands(("smollm2",), 60)
     drained.function(None, server)
     # Only the unloaded model's slots are asked for, never loading it to ask.
     assert len(server.commands) == 2
@@ -110,14 +114,5 @@ def test_a_presets_reload_waits_for_the_requests_of_the_models_it_unloads():
 
 @pytest.mark.parametrize("unloading, bound", [((), 60), (("smollm2",), 0)])
 def test_a_reload_that_unloads_nothing_or_may_not_wait_reloads_at_once(unloading, bound):
-    commands = list(
-        operations.reload_presets._inner(
-            base_url="http://127.0.0.1:8100",
-            service="llama-server.service",
-            timeout=120,
-            http_timeouts=BOUNDS,
-            unloading=unloading,
-            drain_timeout=bound,
-        )
-    )
+    commands = reload_commands(unloading, bound)
     assert len(commands) == 1 and "/models?reload=1" in commands[0]

@@ -179,6 +179,17 @@ def stream(model: str, tokens: int, said: dict) -> None:
         said["error"] = repr(error)
 
 
+def streaming_started(model: str, tokens: int) -> tuple[threading.Thread, dict]:
+    """A stream (``stream``) on its thread, once its first chunk came (within 120 s)."""
+    said: dict = {}
+    streaming = threading.Thread(target=stream, args=(model, tokens, said))
+    streaming.start()
+    deadline = time.monotonic() + 120
+    while "first" not in said and "error" not in said and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return streaming, said
+
+
 def test_a_third_model_restarts_nothing_and_fetches_nothing(rig):
     """Adding a model only changes the presets: the router reads them again, and a stream
     from SmolLM2 running through the converge ends whole."""
@@ -186,12 +197,7 @@ def test_a_third_model_restarts_nothing_and_fetches_nothing(rig):
     before = file_identities(info)
     pid = in_sandbox(info, "systemctl show -P MainPID llama-server.service")
     path = inventory(directory / "router3.yml", info, third=True)
-    said: dict = {}
-    streaming = threading.Thread(target=stream, args=("smollm2", 2000, said))
-    streaming.start()
-    deadline = time.monotonic() + 120
-    while "first" not in said and "error" not in said and time.monotonic() < deadline:
-        time.sleep(0.1)
+    streaming, said = streaming_started("smollm2", 2000)
     applied = changed_operations(sandboxes.converge(path))
     still_streaming = streaming.is_alive()
     streaming.join(600)
@@ -242,12 +248,7 @@ def test_a_changed_model_is_unloaded_only_once_its_requests_end(rig):
     info, directory = rig
     pid = in_sandbox(info, "systemctl show -P MainPID llama-server.service")
     path = inventory(directory / "router-top-k.yml", info, third=True, smollm2_top_k=40)
-    said: dict = {}
-    streaming = threading.Thread(target=stream, args=("smollm2", 1200, said))
-    streaming.start()
-    deadline = time.monotonic() + 120
-    while "first" not in said and "error" not in said and time.monotonic() < deadline:
-        time.sleep(0.1)
+    streaming, said = streaming_started("smollm2", 1200)
     result = sandboxes.deploy(path)
     output = result.stdout + result.stderr
     streaming.join(600)
