@@ -132,6 +132,12 @@ class GgufHeader:
         return next((t for t in self.tensors if t.name == name), None)
 
     @property
+    def data_end(self) -> int:
+        """Bytes from the file's start to the end of its last tensor: the file's size as the
+        converters write it (convert_hf_to_gguf.py, gguf-split), the download's size."""
+        return self.data_offset + max((t.offset + t.n_bytes for t in self.tensors), default=0)
+
+    @property
     def architecture(self) -> str:
         arch = self.metadata.get("general.architecture")
         if not isinstance(arch, str):

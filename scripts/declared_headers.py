@@ -18,7 +18,7 @@ from pathlib import Path
 
 from llamarig.config import load_inventory
 from llamarig.gguf_header import read_gguf_header_file
-from llamarig.model.lock import LOCK_NAME, declare_header, recorded_header
+from llamarig.model.lock import LOCK_NAME, declare_header, header_entry, recorded_header
 from tests.ggufmodels import Qwen35Shape, write_qwen35
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -49,9 +49,11 @@ def main() -> int:
     stale = []
     for url, header, source in declarations():
         recorded = recorded_header(LOCK, {"url": url})
-        if recorded is None or (recorded.metadata, recorded.tensors) != (
-            header.metadata,
-            header.tensors,
+        entry = header_entry(LOCK, {"url": url}) or {}
+        if (
+            recorded is None
+            or (recorded.metadata, recorded.tensors) != (header.metadata, header.tensors)
+            or entry.get("size") != header.data_end
         ):
             stale.append(url)
             if not args.check:

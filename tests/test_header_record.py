@@ -184,6 +184,10 @@ def test_a_split_model_plans_from_its_shards_records(tmp_path, file_server, monk
     assert [key for key, _ in read.read] == [header_key(file) for file in model_files(data)]
     for key, header in read.read:
         assert record_header(tmp_path / model_lock.LOCK_NAME, key, header)
+    # Each shard's entry carries the shard's size, readable beside its compressed record.
+    entries = yaml.safe_load((tmp_path / model_lock.LOCK_NAME).read_text())["headers"]
+    sizes = {entry["file"]["sha256"]: entry["size"] for entry in entries}
+    assert sizes == {hashlib.sha256(s.read_bytes()).hexdigest(): s.stat().st_size for s in shards}
     for shard in shards:
         shard.unlink()  # neither the URL nor the cache has them now
     (tmp_path / "cache").rename(tmp_path / "gone")
@@ -291,10 +295,13 @@ def test_a_broken_record_is_refused_naming_the_lock_and_the_fix(tmp_path, text, 
         ("headers: {}", "has a `headers:` that is not a list"),
         (
             "headers: [{file: {sha256: x}}]",
-            "not a mapping of `file`, `format`, `record` and one of `digest`",
+            "not a mapping of `file`, `format`, `record`, `size` and one of `digest`",
         ),
         (entry_text("x", key="host_path: relative/m.gguf"), "is not {sha256: 64 hex digits}"),
         (entry_text("x", digest="$(id)"), "digest '$(id)' is not 64 hex digits"),
+        (entry_text("x") + "  size: $(id)\n", "size '$(id)' is not a number of bytes"),
+        (entry_text("x") + "  size: -1\n", "size -1 is not a number of bytes"),
+        (entry_text("x") + "  size: true\n", "size True is not a number of bytes"),
     ],
 )
 def test_a_malformed_headers_list_is_refused_naming_the_file(tmp_path, text, words):
@@ -326,6 +333,13 @@ def test_recording_keeps_the_references_and_replaces_only_its_own_entry(tmp_path
     assert model_lock.read_lock(lock) == [reference]
     assert recorded_header(lock, key).block_count == 32
     assert lock.read_text().startswith("# The commits llamarig resolved")
+    # A lock written before entries carried the file's size gets it with the next record.
+    document = yaml.safe_load(lock.read_text())
+    assert document["headers"][0].pop("size") == header.data_end > header.data_offset
+    lock.write_text(yaml.safe_dump(document))
+    assert record_header(lock, key, header)
+    assert model_lock.header_entry(lock, key)["size"] == header.data_end
+    assert not record_header(lock, key, header)
 
 
 def test_the_host_reads_the_header_where_this_machine_cannot(

@@ -41,7 +41,8 @@ UPDATE_ENV = "LLAMARIG_UPDATE_MODELS"
 _HEADER = """\
 # The commits llamarig resolved Hugging Face model references to, and each file's sha256
 # (`models`); the GGUF header of each model file the planner read (`headers`, trimmed and
-# compressed, keyed by the file's sha256 or its path on the host). Commit this file with the
+# compressed, keyed by the file's sha256 or its path on the host, with the file's size in
+# bytes as the header gives it). Commit this file with the
 # inventory: later runs fetch exactly these files, and a plan made where the model cannot be
 # read is the plan the deploy makes. To move to what the references name now: `llamarig plan
 # --update-models` (or LLAMARIG_UPDATE_MODELS=1 for a deploy); `llamarig lock` records the
@@ -166,12 +167,15 @@ def write_entry(path: Path, entry: dict) -> None:
 
 
 def _header_entry_problem(entry: object) -> str | None:
-    shape = "a mapping of `file`, `format`, `record` and one of `digest` or `declared`"
-    if not isinstance(entry, dict) or set(entry) not in (
+    shape = "a mapping of `file`, `format`, `record`, `size` and one of `digest` or `declared`"
+    if not isinstance(entry, dict) or set(entry) - {"size"} not in (
         {"file", "digest", "format", "record"},
         {"file", "declared", "format", "record"},
     ):
         return f"not {shape}"
+    size = entry.get("size", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        return f"size {entry['size']!r} is not a number of bytes"
     if _file_key_problem(entry["file"]):
         return _file_key_problem(entry["file"])
     if entry["format"] != header_record.FORMAT:
@@ -215,6 +219,11 @@ def declared_key(file: ModelFile) -> dict | None:
     return {"url": file.url} if file.url else None
 
 
+def header_entry(path: Path, key: dict) -> dict | None:
+    """The entry of `headers:` recorded under ``key`` as it stands in the file, or None."""
+    return next((e for e in _read_document(path)["headers"] if e["file"] == key), None)
+
+
 def recorded_header(path: Path, key: dict | None) -> GgufHeader | None:
     """The header recorded under ``key`` (``header_key`` or ``declared_key``), or None. A
     declared header has no digest. Raises GgufError, naming the lock file and the fix, for a
@@ -240,9 +249,9 @@ def record_header(path: Path, key: dict, header: GgufHeader, superseded: list[di
     the same header was recorded already."""
     document = _read_document(path)
     entries = document["headers"]
-    if any(e["file"] == key and e.get("digest") == header.digest for e in entries) and not any(
-        e["file"] in superseded for e in entries
-    ):
+    if any(
+        e["file"] == key and e.get("digest") == header.digest and "size" in e for e in entries
+    ) and not any(e["file"] in superseded for e in entries):
         return False
     _put_header(path, document, {"file": key, "digest": header.digest}, header, superseded)
     return True
@@ -256,7 +265,10 @@ def _put_header(
     gone = [entry["file"], *superseded]
     entries = [e for e in document["headers"] if e["file"] not in gone]
     record = header_record.encode(header)
-    entries.append({**entry, "format": header_record.FORMAT, "record": record})
+    # The file's size, readable beside the compressed record (a reviewer of the lock sees it).
+    entries.append(
+        {**entry, "size": header.data_end, "format": header_record.FORMAT, "record": record}
+    )
     entries.sort(key=lambda e: sorted(e["file"].items()))
     _write_document(path, {**document, "headers": entries})
 
