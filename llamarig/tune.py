@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from llamarig import hostpaths, render, throughput
+from llamarig import drafting, hostpaths, render, throughput
 from llamarig.config import HostConfig
 from llamarig.config.inventory import load_inventory, tuned_path
 from llamarig.model.catalog import is_router
@@ -53,18 +53,6 @@ CUT_AFTER = 5
 CUT_FLOOR_SECONDS = 60
 RUN_SECONDS = 600
 TIMED_OUT = 124  # coreutils timeout's status for a command it stopped
-# Speculative decoding (server.spec): llama-bench does not draft, so each draft length is
-# served by the deployed llama-server on a loopback port of its own and asked the same short
-# prompts, greedy; their median decode speed is the draft length's.
-DRAFT_MAX_VALUES = (1, 2, 3, 4)
-DRAFT_TOKENS = 128
-DRAFT_PROMPTS = (
-    "List the numbers from 1 to 40, separated by commas.",
-    "Write a Python function that returns the sum of a list of integers, with a docstring.",
-    "Repeat this sentence five times: the quick brown fox jumps over the lazy dog.",
-)
-DRAFT_PORT_OFFSET = 1000
-DRAFT_START_SECONDS = 600
 
 
 class TuneError(Exception):
@@ -253,8 +241,8 @@ def plot(
     chosen: Measured,
     roofline: float | None,
     path: Path,
-    drafts: list[DraftMeasured] = (),
-    draft: DraftMeasured | None = None,
+    drafts: list[drafting.DraftMeasured] = (),
+    draft: drafting.DraftMeasured | None = None,
 ) -> bool:
     """A bar chart of the sweep with the roofline, and of the served draft lengths beside it;
     False when matplotlib is not installed."""
@@ -295,7 +283,11 @@ def plot(
 
 
 def write_tuned(
-    path: Path, host: str, chosen: Measured, identity: str, draft: DraftMeasured | None = None
+    path: Path,
+    host: str,
+    chosen: Measured,
+    identity: str,
+    draft: drafting.DraftMeasured | None = None,
 ) -> None:
     settings = {k: v for k, v in chosen.candidate.settings().items() if v is not None}
     served = ""
@@ -303,7 +295,7 @@ def write_tuned(
         settings["spec"] = {"draft_max": draft.draft_max}
         served = (
             f"# draft_max {draft.draft_max} served at {draft.tps:.1f} t/s (median of "
-            f"{len(DRAFT_PROMPTS)} greedy prompts of {DRAFT_TOKENS} tokens).\n"
+            f"{len(drafting.DRAFT_PROMPTS)} greedy prompts of {drafting.DRAFT_TOKENS} tokens).\n"
         )
     header = (
         f"# Written by `llamarig tune` for {host} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC:\n"
@@ -415,122 +407,6 @@ def _save(sweep_file: Path, identity: str, saved: dict) -> None:
     sweep_file.write_text(json.dumps({"identity": identity, "results": saved}, indent=1))
 
 
-@dataclass
-class DraftMeasured:
-    draft_max: int
-    tps: float | None = None  # the median of the prompts' decode speeds
-    low: float | None = None  # the slowest and fastest prompt
-    high: float | None = None
-    skipped: str = ""
-
-
-def draft_port(data: dict) -> int:
-    """The temporary server's port: beside the service's, never the service's own."""
-    port = data["server"]["port"]
-    return (
-        port + DRAFT_PORT_OFFSET if port + DRAFT_PORT_OFFSET <= 65535 else port - DRAFT_PORT_OFFSET
-    )
-
-
-def draft_server_data(plan: HostPlan, chosen: Candidate, draft_max: int) -> dict:
-    """The rig data of one temporary server: the tuned settings and ``draft_max``, bound to
-    loopback only on a port beside the service's."""
-    data = with_candidate(plan.resolved, chosen)
-    server = data["server"]
-    server["spec"] = {**server["spec"], "draft_max": draft_max}
-    server["port"] = draft_port(plan.resolved)
-    server["host"] = "127.0.0.1"
-    return data
-
-
-def draft_start_command(data: dict) -> str:
-    """Start the planned llama-server outside the unit, detached from the ssh session, with
-    the launcher's environment; prints its pid. Refuses a port something answers on."""
-    environment = render.service_environment(data)
-    home = shlex.quote(environment["HOME"])
-    health = shlex.quote(f"{render.base_url(data)}/health")
-    port = data["server"]["port"]
-    return "; ".join(
-        [
-            *(f"export {key}={shlex.quote(value)}" for key, value in environment.items()),
-            f"mkdir -p {home} && cd {home} || exit 1",
-            # curl's 7: nothing listens there (connection refused).
-            f"curl -s -o /dev/null -m 5 -- {health}; [ $? -eq 7 ] || "
-            f"{{ echo 'port {port} is in use on the host' >&2; exit 3; }}",
-            f"setsid {render.shell_join(render.foreground_args(data))} "
-            "</dev/null >tune-draft.log 2>&1 & echo $!",
-        ]
-    )
-
-
-def draft_wait_command(data: dict, pid: int) -> str:
-    """Wait for /health 200; fail with the log's last lines if the server exits first."""
-    health = shlex.quote(f"{render.base_url(data)}/health")
-    log = shlex.quote(f"{render.service_environment(data)['HOME']}/tune-draft.log")
-    return (
-        f"i=0; while [ $i -lt {DRAFT_START_SECONDS * 2} ]; do "
-        f"curl -s -f -o /dev/null -m 5 -- {health} && exit 0; "
-        f"kill -0 {pid} 2>/dev/null || {{ tail -n 5 {log} >&2; exit 1; }}; "
-        "sleep 0.5; i=$((i+1)); done; echo 'not ready in time' >&2; exit 1"
-    )
-
-
-def draft_request_command(data: dict, prompt: str) -> str:
-    """One greedy completion of exactly DRAFT_TOKENS tokens (past an end-of-text token, so a
-    short answer does not count as a speed; no prompt cache between the runs)."""
-    body = json.dumps(
-        {
-            "prompt": prompt,
-            "n_predict": DRAFT_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "cache_prompt": False,
-        }
-    )
-    url = shlex.quote(f"{render.base_url(data)}/completion")
-    return (
-        f"curl -sS -f -m 300 {hostpaths.CURL_AUTH} -H 'Content-Type: application/json' "
-        f"--data-binary {shlex.quote(body)} -- {url}"
-    )
-
-
-def draft_stop_command(pid: int) -> str:
-    return (
-        f"kill {pid} 2>/dev/null; i=0; while kill -0 {pid} 2>/dev/null && [ $i -lt 60 ]; do "
-        f"sleep 0.5; i=$((i+1)); done; kill -9 {pid} 2>/dev/null; true"
-    )
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
-def _served_speeds(data: dict, run: Callable[[str, float], tuple[int, str, str]]) -> list[float]:
-    """Start one temporary server, decode DRAFT_PROMPTS, stop it; raises ValueError."""
-    status, output, error = run(draft_start_command(data), 60)
-    if status:
-        raise ValueError(error.strip() or "could not start llama-server")
-    pid = int(output.strip().splitlines()[-1])
-    try:
-        status, _, error = run(draft_wait_command(data, pid), DRAFT_START_SECONDS + 60)
-        if status:
-            raise ValueError(" / ".join(error.strip().splitlines()[-3:]) or "did not start")
-        speeds = []
-        for prompt in DRAFT_PROMPTS:
-            status, output, error = run(draft_request_command(data, prompt), 360)
-            if status:
-                raise ValueError(error.strip() or "the completion failed")
-            timings = json.loads(output)["timings"]
-            if timings["predicted_n"] != DRAFT_TOKENS:
-                raise ValueError(f"decoded {timings['predicted_n']} of {DRAFT_TOKENS} tokens")
-            speeds.append(float(timings["predicted_per_second"]))
-        return speeds
-    finally:
-        run(draft_stop_command(pid), 60)
-
-
 def draft_sweep(
     plan: HostPlan,
     chosen: Candidate,
@@ -539,35 +415,23 @@ def draft_sweep(
     identity: str,
     deadline: float,
     say: Callable[[str], None],
-) -> list[DraftMeasured]:
-    """Serve ``chosen`` with each draft length in DRAFT_MAX_VALUES until ``deadline``, reusing
-    what the sweep file holds."""
-    saved = _saved(sweep_file, identity)
-    results = []
-    for draft_max in DRAFT_MAX_VALUES:
-        result = DraftMeasured(draft_max)
-        results.append(result)
-        label = f"{chosen.label}, draft_max {draft_max}"
-        if isinstance(saved.get(label), list):
-            result.tps, result.low, result.high = saved[label]
-            say(f"  {label}: {result.tps:.1f} t/s served (measured before)")
-            continue
-        if time.monotonic() > deadline:
-            result.skipped = throughput.TIME_BOUND_NOTE
-            continue
-        say(f"  {label}: measuring through llama-server")
-        try:
-            speeds = _served_speeds(draft_server_data(plan, chosen, draft_max), run)
-        except (ValueError, KeyError) as problem:
-            result.skipped = f"llama-server failed: {problem}"
-            continue
-        result.tps, result.low, result.high = _median(speeds), min(speeds), max(speeds)
-        saved[label] = [result.tps, result.low, result.high]
-        _save(sweep_file, identity, saved)
-    return results
+) -> list[drafting.DraftMeasured]:
+    """Each draft length served with ``chosen`` (``drafting.draft_sweep``) until
+    ``deadline``, reusing what the sweep file holds."""
+    return drafting.draft_sweep(
+        with_candidate(plan.resolved, chosen),
+        chosen.label,
+        run,
+        _saved(sweep_file, identity),
+        lambda saved: _save(sweep_file, identity, saved),
+        deadline,
+        say,
+    )
 
 
-def draft_winner(results: list[DraftMeasured], planned: int | None) -> DraftMeasured | None:
+def draft_winner(
+    results: list[drafting.DraftMeasured], planned: int | None
+) -> drafting.DraftMeasured | None:
     """The fastest draft length; the planned one while within KEEP_WITHIN of it; None when
     none was measured."""
     measured = [r for r in results if r.tps]
@@ -578,23 +442,6 @@ def draft_winner(results: list[DraftMeasured], planned: int | None) -> DraftMeas
     if current and current.tps >= fastest.tps * (1 - KEEP_WITHIN):
         return current
     return fastest
-
-
-def draft_table(results: list[DraftMeasured], chosen: DraftMeasured | None, types: str) -> str:
-    lines = [
-        f"served decode with --spec-type {types} ({len(DRAFT_PROMPTS)} prompts, "
-        f"{DRAFT_TOKENS} tokens, greedy; median and range):",
-        f"{'draft_max':<32}{'decode t/s':>11}{'range':>19}  note",
-    ]
-    for result in results:
-        speed = (
-            f"{result.tps:>11.1f}{f'{result.low:.1f}-{result.high:.1f}':>19}"
-            if result.tps
-            else f"{'-':>11}{'':>19}"
-        )
-        note = result.skipped or ("<- tuned" if result is chosen else "")
-        lines.append(f"{result.draft_max:<32}{speed}  {note}")
-    return "\n".join(lines)
 
 
 def _slots_busy(data: dict) -> bool | None:
@@ -639,7 +486,7 @@ def temporary_server(data: dict) -> dict:
     """The rig data of a temporary server: bound to loopback only, on a port beside the
     service's."""
     changed = copy.deepcopy(data)
-    changed["server"]["port"] = draft_port(data)
+    changed["server"]["port"] = drafting.draft_port(data)
     changed["server"]["host"] = "127.0.0.1"
     return changed
 
@@ -649,18 +496,20 @@ def _starter(run: Callable[[str, float], tuple[int, str, str]]):
     serves; ValueError with why when it does not) and stop it."""
 
     def start(data: dict) -> int:
-        status, output, error = run(draft_start_command(data), 60)
+        status, output, error = run(drafting.draft_start_command(data), 60)
         if status:
             raise ValueError(error.strip() or "could not start llama-server")
         pid = int(output.strip().splitlines()[-1])
-        status, _, error = run(draft_wait_command(data, pid), DRAFT_START_SECONDS + 60)
+        status, _, error = run(
+            drafting.draft_wait_command(data, pid), drafting.DRAFT_START_SECONDS + 60
+        )
         if status:
-            run(draft_stop_command(pid), 60)
+            run(drafting.draft_stop_command(pid), 60)
             raise ValueError(" / ".join(error.strip().splitlines()[-3:]) or "did not start")
         return pid
 
     def stop(pid: int) -> None:
-        run(draft_stop_command(pid), 60)
+        run(drafting.draft_stop_command(pid), 60)
 
     return start, stop
 
@@ -828,7 +677,7 @@ def tune_host(
     roofline = roofline_tps(plan)
     say(table(results, chosen, roofline))
     if spec["type"]:
-        say(draft_table(drafts, draft, ",".join(spec["type"])))
+        say(drafting.draft_table(drafts, draft, ",".join(spec["type"])))
     write_tuned(tuned_file, name, chosen, identity, draft)
     tuned_label = chosen.candidate.label + (f", draft_max {draft.draft_max}" if draft else "")
     say(f"{name}: tuned settings written to {tuned_file} ({tuned_label})")

@@ -15,28 +15,31 @@ import yaml
 from llamarig import tune as tune_module
 from llamarig.config import ConfigError, load_inventory
 from llamarig.config.inventory import tuned_path
+from llamarig.drafting import (
+    DRAFT_MAX_VALUES,
+    DRAFT_PROMPTS,
+    DraftMeasured,
+    draft_server_data,
+    draft_start_command,
+)
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.hardware import memory_bandwidth_gbs
 from llamarig.plan import plan_host, roofline_tps
 from llamarig.tune import (
     CUT_AFTER,
     CUT_FLOOR_SECONDS,
-    DRAFT_MAX_VALUES,
-    DRAFT_PROMPTS,
     RUN_SECONDS,
     Candidate,
-    DraftMeasured,
     Measured,
     bench_command,
     bench_speeds,
     candidates,
-    draft_server_data,
-    draft_start_command,
     draft_sweep,
     draft_winner,
     planned_candidate,
     sweep,
     winner,
+    with_candidate,
     write_tuned,
 )
 from tests.conftest import PROJECT
@@ -289,7 +292,9 @@ def _started(command: str) -> list[str]:
 
 def test_the_temporary_server_is_the_planned_one_on_loopback_beside_the_service(drafting_plan):
     chosen = Candidate("none", None, 256, 2)
-    command = draft_start_command(draft_server_data(drafting_plan, chosen, 3))
+    command = draft_start_command(
+        draft_server_data(with_candidate(drafting_plan.resolved, chosen), 3)
+    )
     argv = _started(command)
     pairs = dict(zip(argv[1::2], argv[2::2], strict=False))
     assert (pairs["--host"], pairs["--port"]) == ("127.0.0.1", "9080")  # the service: 8080
@@ -302,7 +307,8 @@ def test_the_temporary_server_is_the_planned_one_on_loopback_beside_the_service(
     keyed = copy.deepcopy(drafting_plan.resolved)
     keyed["server"].update(api_key_file="/home/me/key", host="0.0.0.0", port=65000)
     keyed_plan = plan_host("sandbox", keyed, None)
-    argv = _started(draft_start_command(draft_server_data(keyed_plan, chosen, 1)))
+    served = draft_server_data(with_candidate(keyed_plan.resolved, chosen), 1)
+    argv = _started(draft_start_command(served))
     assert argv[-2:] == ["--api-key-file", "/etc/llamarig/api-key"]  # after the flag --metrics
     assert argv[argv.index("--host") + 1 : argv.index("--port") + 2] == [
         "127.0.0.1", "--port", "64000",
