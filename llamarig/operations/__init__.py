@@ -31,7 +31,6 @@ from llamarig.operations.host import (
     barrier,
     connected_host,
     fail,
-    fail_command,
     machine_owner_key,
     reboot,
 )
@@ -82,7 +81,6 @@ __all__ = [
     "drain",
     "driver_packages",
     "fail",
-    "fail_command",
     "fetch_checked",
     "fetch_command",
     "git_checkout_commands",

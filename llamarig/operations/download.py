@@ -20,7 +20,7 @@ from llamarig.facts import RecordedSha256
 from llamarig.hostjob import HostJob, JobCommand
 from llamarig.hostpaths import JOB_DIRECTORY
 from llamarig.model import lock as model_lock
-from llamarig.operations.host import fail_command
+from llamarig.operations.host import fail
 
 
 @operation()
@@ -238,11 +238,11 @@ def check_file(
         if host.get_fact(File, path=path):
             host.noop(f"{path} exists")
             return
-        yield fail_command(f"model file {path} does not exist on the host")
+        yield from fail._inner(f"model file {path} does not exist on the host")
         return
     found = known(RecordedSha256, path=path, records=records)
     if found is None:
-        yield fail_command(f"model file {path} does not exist; expected sha256 {sha256}")
+        yield from fail._inner(f"model file {path} does not exist; expected sha256 {sha256}")
         return
     recorded = None if rehash else found["sha256"]
     if recorded == sha256:
@@ -250,7 +250,7 @@ def check_file(
         return
     fix = "replace the file, or set model.sha256 to the file's digest"
     if recorded:
-        yield fail_command(
+        yield from fail._inner(
             f"model file {path} has sha256 {recorded} (recorded when it was last hashed, the "
             f"file unchanged since); expected sha256 {sha256}: {fix}"
         )

@@ -20,7 +20,7 @@ from pyinfra.operations.util.files import generate_color_diff
 from llamarig.factcache import known
 from llamarig.facts import FileState
 from llamarig.hostpaths import ATOMIC_SUFFIX
-from llamarig.operations.host import fail_command
+from llamarig.operations.host import fail
 
 
 def rename_into_place(dest: str, mode: str) -> str:
@@ -151,7 +151,7 @@ def symlink(path: str, target: str):
     """
     link = known(Link, path=path)
     if link is False:
-        yield fail_command(f"{path} exists and is not a symbolic link")
+        yield from fail._inner(f"{path} exists and is not a symbolic link")
         return
     if link and link["link_target"] == target:
         host.noop(f"{path} points at {target}")
@@ -182,7 +182,7 @@ def directory(path: str, mode: str, user: str | None = None, group: str | None =
     """
     info = known(Directory, path=path)
     if info is False:
-        yield fail_command(f"{path} exists and is not a directory")
+        yield from fail._inner(f"{path} exists and is not a directory")
         return
     quoted = shlex.quote(path)
     commands = [] if info else [f"mkdir -p {quoted}"]
@@ -214,7 +214,7 @@ def absent(path: str):
     """
     info = known(File, path=path)
     if info is False:
-        yield fail_command(f"{path} exists and is not a file")
+        yield from fail._inner(f"{path} exists and is not a file")
     elif info:
         yield f"rm -f {shlex.quote(path)}"
     else:

@@ -20,18 +20,21 @@ from llamarig.facts import (
 )
 
 
-def fail_command(message: str) -> str:
-    return f"echo {shlex.quote('llamarig: ' + message)} >&2; exit 1"
-
-
 @operation(is_idempotent=False)
 def fail(message: str):
     """
-    Stop the run on this host with a message (for a check that found the host wrong).
+    Stop the run on this host with a message (for a check that found the host wrong); the
+    other operations compose it (``yield from fail._inner(message=...)``).
 
     + message: what is wrong and what to do about it
+
+    **Example:**
+
+    .. code:: python
+
+        fail(message="model file /srv/m.gguf does not exist on the host")
     """
-    yield fail_command(message)
+    yield f"echo {shlex.quote('llamarig: ' + message)} >&2; exit 1"
 
 
 def connected_host(state, name: str, reason: str):

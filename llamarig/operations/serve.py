@@ -31,7 +31,7 @@ from llamarig.facts import (
 from llamarig.hostpaths import CURL_AUTH
 from llamarig.httpbounds import HttpTimeouts
 from llamarig.llama_args import option_name
-from llamarig.operations.host import connected_host, fail_command
+from llamarig.operations.host import connected_host, fail
 from llamarig.operations.systemd import drain, journal_tail_command, restart_command
 
 
@@ -724,7 +724,7 @@ def check_serving(
             f"a 4-token {base_url}/completion did not succeed within {http_timeouts.said('probe')}"
         )
     if problems:
-        yield fail_command("; ".join(problems))
+        yield from fail._inner("; ".join(problems))
         return
     if not probe["loaded"]:
         host.noop(

@@ -16,7 +16,7 @@ from pyinfra.api import (
 from llamarig.factcache import known
 from llamarig.facts import UnitState, parse_slot_counts, slot_counts_command
 from llamarig.httpbounds import HttpTimeouts
-from llamarig.operations.host import connected_host, fail_command
+from llamarig.operations.host import connected_host, fail
 
 # How often a drain polls the slots, and how often it says what it waits for.
 DRAIN_POLL_S = 1
@@ -199,4 +199,4 @@ def check_unit_active(unit: str, what: str):
     if known(UnitState, unit=unit)["active"]:
         host.noop(f"{unit} active {what}")
         return
-    yield fail_command(f"{unit} is not active (systemctl status {unit})")
+    yield from fail._inner(f"{unit} is not active (systemctl status {unit})")
