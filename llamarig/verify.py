@@ -30,19 +30,20 @@ def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
     # model header resolve `auto` context, split mode and ratio exactly as the deploy did.
     plan = host_plan(host_config)
     data = plan.resolved
-    indices = plan.planned_gpu_indices
-    memory = None
-    if indices:
-        memory = [
-            {"index": index, "name": device.name, "planned_mib": device.planned_mib}
-            for index, device in zip(indices, plan.memory.devices, strict=True)
-        ]
+    memory = _planned_devices(plan)
+    # A router's models each with their own plan: what each holds per GPU once loaded.
+    model_memory = {
+        model.view.name: _planned_devices(model.plan)
+        for model in plan.models
+        if _planned_devices(model.plan)
+    }
     served = [] if data["role"] == "rpc-worker" else served_data(data)
     files = list({file.dest: file for model in served for file in model_files(model)}.values())
     return {
         "name": host_config.name,
         "data": data,
         "memory": memory,
+        "model_memory": model_memory,
         "model_files": [{"path": file.dest, "sha256": file.sha256} for file in files],
         "rehash": rehash,
         "checksum_records": checksums.RECORD_DIRECTORY,
@@ -54,6 +55,17 @@ def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
             "curl_auth": hostpaths.CURL_AUTH,
         },
     }
+
+
+def _planned_devices(plan) -> list[dict] | None:
+    """The MiB ``plan`` puts on each GPU, by nvidia-smi's index; None where it plans none."""
+    indices = plan.planned_gpu_indices
+    if not indices:
+        return None
+    return [
+        {"index": index, "name": device.name, "planned_mib": device.planned_mib}
+        for index, device in zip(indices, plan.memory.devices, strict=True)
+    ]
 
 
 def verify_host(host_config: HostConfig, pytest_args: list[str], rehash: bool = False) -> int:

@@ -1,9 +1,11 @@
 """`llamarig verify` glue: the ssh configuration it hands testinfra and the expectations file."""
 
+import json
 import re
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from llamarig.config import load_inventory
 from llamarig.httpbounds import HttpTimeouts
@@ -44,6 +46,84 @@ def test_expectations_carry_the_planned_data(file_server, tmp_path):
     ]  # fmt: skip
     assert expected["rehash"] is False and expectations(host, rehash=True)["rehash"] is True
     assert expected["checksum_records"] == "/var/lib/llamarig/checksums"
+
+
+def test_a_router_expects_each_model_memory_on_the_gpus_it_plans(file_server, tmp_path):
+    """The seed rig serving its model under two names (models_max 1: one loaded at a time):
+    verify expects each model's own MiB per GPU, by nvidia-smi's index."""
+    www, url = file_server
+    write_qwen35(www / "model.gguf")
+    seed = (PROJECT / "inventory" / "example-5080-3090.yml").read_text()
+    real_url = re.search(r"url: (https://huggingface\.co/\S+)", seed).group(1)
+    document = yaml.safe_load(seed.replace(real_url, f"{url}/model.gguf"))
+    rig = document["all"]["children"]["rigs"]["hosts"]["rig1"]
+    model = rig.pop("model")
+    rig["models"] = [{"name": "qwen-a", **model}, {"name": "qwen-b", **model, "filename": "b.gguf"}]
+    rig["server"]["models_max"] = 1
+    (tmp_path / "rig.yml").write_text(yaml.safe_dump(document))
+    expected = expectations(load_inventory(tmp_path / "rig.yml").hosts["rig1"])
+    assert expected["memory"] is None  # the router itself holds no model
+    per_model = expected["model_memory"]
+    assert sorted(per_model) == ["qwen-a", "qwen-b"]
+    # Each as the one-model rig of the same file plans it: the same GPUs, by the same index.
+    (tmp_path / "one.yml").write_text(seed.replace(real_url, f"{url}/model.gguf"))
+    alone = expectations(load_inventory(tmp_path / "one.yml").hosts["rig1"])["memory"]
+    assert {d["name"] for d in alone} == {"NVIDIA GeForce RTX 5080", "NVIDIA GeForce RTX 3090"}
+    for devices in per_model.values():
+        assert [(d["index"], d["name"]) for d in devices] == [
+            (d["index"], d["name"]) for d in alone
+        ]
+        assert all(d["planned_mib"] > 10000 for d in devices), devices
+
+
+class RouterHost:
+    """nvidia-smi's memory used per GPU index, as a testinfra host answers it."""
+
+    def __init__(self, used: dict[int, int]) -> None:
+        self.used = used
+
+    def run(self, command: str):
+        assert command.startswith("nvidia-smi --query-gpu=index,memory.used"), command
+        lines = "\n".join(f"{index}, {mib}" for index, mib in self.used.items())
+        return SimpleNamespace(rc=0, stdout=lines, stderr="")
+
+
+MODEL_MEMORY = {
+    "a": [{"index": 0, "name": "NVIDIA H200", "planned_mib": 9000}],
+    "b": [{"index": 0, "name": "NVIDIA H200", "planned_mib": 9190}],
+}
+
+
+@pytest.mark.parametrize(
+    "states, used, verdict",
+    [
+        # Both loaded: 18,190 MiB planned, as on the H200 (nvidia-smi 18,003: -1.0%).
+        ({"a": "loaded", "b": "loaded"}, 18003, "passes"),
+        # Only a is loaded (b loading or unloaded counts nothing): 9,000 planned.
+        ({"a": "loaded", "b": "loading"}, 9100, "passes"),
+        ({"a": "loaded", "b": "unloaded"}, 18003, "fails"),
+        ({"a": "unloaded", "b": "sleeping"}, 4, "skips"),
+    ],
+)
+def test_a_router_holds_what_the_plans_of_its_loaded_models_add_up_to(states, used, verdict):
+    from llamarig.checks import test_gpu_memory
+
+    listed = [{"id": name, "status": {"value": value}} for name, value in states.items()]
+
+    def api(path: str):
+        assert path == "/models"
+        return 200, json.dumps({"data": listed})
+
+    check = test_gpu_memory.test_gpu_memory_of_the_loaded_models_is_as_planned
+    rig = {"model_memory": MODEL_MEMORY}
+    if verdict == "passes":
+        check(RouterHost({0: used}), rig, [], api)
+    elif verdict == "fails":
+        with pytest.raises(AssertionError, match=r"the plans of the models loaded \(a\)"):
+            check(RouterHost({0: used}), rig, [], api)
+    else:
+        with pytest.raises(pytest.skip.Exception, match="no model loaded now"):
+            check(RouterHost({0: used}), rig, [], api)
 
 
 @pytest.mark.parametrize("client", ["curl", "python3"])
