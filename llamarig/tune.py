@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from llamarig import drafting, hostpaths, render, throughput
+from llamarig import hostpaths, render, temporary_server, throughput
 from llamarig.config import HostConfig
 from llamarig.config.inventory import load_inventory, tuned_path
 from llamarig.model.catalog import is_router
@@ -241,8 +241,8 @@ def plot(
     chosen: Measured,
     roofline: float | None,
     path: Path,
-    drafts: list[drafting.DraftMeasured] = (),
-    draft: drafting.DraftMeasured | None = None,
+    drafts: list[temporary_server.DraftMeasured] = (),
+    draft: temporary_server.DraftMeasured | None = None,
 ) -> bool:
     """A bar chart of the sweep with the roofline, and of the served draft lengths beside it;
     False when matplotlib is not installed."""
@@ -287,7 +287,7 @@ def write_tuned(
     host: str,
     chosen: Measured,
     identity: str,
-    draft: drafting.DraftMeasured | None = None,
+    draft: temporary_server.DraftMeasured | None = None,
 ) -> None:
     settings = {k: v for k, v in chosen.candidate.settings().items() if v is not None}
     served = ""
@@ -295,7 +295,8 @@ def write_tuned(
         settings["spec"] = {"draft_max": draft.draft_max}
         served = (
             f"# draft_max {draft.draft_max} served at {draft.tps:.1f} t/s (median of "
-            f"{len(drafting.DRAFT_PROMPTS)} greedy prompts of {drafting.DRAFT_TOKENS} tokens).\n"
+            f"{len(temporary_server.DRAFT_PROMPTS)} greedy prompts of "
+            f"{temporary_server.DRAFT_TOKENS} tokens).\n"
         )
     header = (
         f"# Written by `llamarig tune` for {host} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC:\n"
@@ -415,10 +416,10 @@ def draft_sweep(
     identity: str,
     deadline: float,
     say: Callable[[str], None],
-) -> list[drafting.DraftMeasured]:
-    """Each draft length served with ``chosen`` (``drafting.draft_sweep``) until
+) -> list[temporary_server.DraftMeasured]:
+    """Each draft length served with ``chosen`` (``temporary_server.draft_sweep``) until
     ``deadline``, reusing what the sweep file holds."""
-    return drafting.draft_sweep(
+    return temporary_server.draft_sweep(
         with_candidate(plan.resolved, chosen),
         chosen.label,
         run,
@@ -430,8 +431,8 @@ def draft_sweep(
 
 
 def draft_winner(
-    results: list[drafting.DraftMeasured], planned: int | None
-) -> drafting.DraftMeasured | None:
+    results: list[temporary_server.DraftMeasured], planned: int | None
+) -> temporary_server.DraftMeasured | None:
     """The fastest draft length; the planned one while within KEEP_WITHIN of it; None when
     none was measured."""
     measured = [r for r in results if r.tps]
@@ -482,38 +483,6 @@ def _service_stopped(data: dict, force: bool, say: Callable[[str], None]):
             run_on_host(data, f"systemctl start -- {unit}")
 
 
-def temporary_server(data: dict) -> dict:
-    """The rig data of a temporary server: bound to loopback only, on a port beside the
-    service's."""
-    changed = copy.deepcopy(data)
-    changed["server"]["port"] = drafting.draft_port(data)
-    changed["server"]["host"] = "127.0.0.1"
-    return changed
-
-
-def _starter(run: Callable[[str, float], tuple[int, str, str]]):
-    """Functions that start a temporary server for some rig data (returning its pid, once it
-    serves; ValueError with why when it does not) and stop it."""
-
-    def start(data: dict) -> int:
-        status, output, error = run(drafting.draft_start_command(data), 60)
-        if status:
-            raise ValueError(error.strip() or "could not start llama-server")
-        pid = int(output.strip().splitlines()[-1])
-        status, _, error = run(
-            drafting.draft_wait_command(data, pid), drafting.DRAFT_START_SECONDS + 60
-        )
-        if status:
-            run(drafting.draft_stop_command(pid), 60)
-            raise ValueError(" / ".join(error.strip().splitlines()[-3:]) or "did not start")
-        return pid
-
-    def stop(pid: int) -> None:
-        run(drafting.draft_stop_command(pid), 60)
-
-    return start, stop
-
-
 def write_tuned_throughput(
     path: Path, host: str, chosen: throughput.LoadMeasured, bound: float, identity: str
 ) -> None:
@@ -542,8 +511,8 @@ def write_tuned_throughput(
 def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) -> Path:
     """The load sweep of `throughput` on ``plan``'s host; writes and returns the tuned file."""
     tuned_file, sweep_file, identity, inventory = files
-    data = temporary_server(plan.resolved)  # the clients load the temporary server
-    start, stop = _starter(run)
+    data = temporary_server.temporary_server(plan.resolved)  # the clients load it
+    start, stop = temporary_server.starter(run)
     tuned_server = (yaml.safe_load(tuned_file.read_text()) or {}) if tuned_file.is_file() else {}
     if (tuned_server.get("server") or {}).get("spec", {}).get("type") == throughput.SPEC_OFF:
         say(
@@ -677,7 +646,7 @@ def tune_host(
     roofline = roofline_tps(plan)
     say(table(results, chosen, roofline))
     if spec["type"]:
-        say(drafting.draft_table(drafts, draft, ",".join(spec["type"])))
+        say(temporary_server.draft_table(drafts, draft, ",".join(spec["type"])))
     write_tuned(tuned_file, name, chosen, identity, draft)
     tuned_label = chosen.candidate.label + (f", draft_max {draft.draft_max}" if draft else "")
     say(f"{name}: tuned settings written to {tuned_file} ({tuned_label})")

@@ -15,16 +15,16 @@ import yaml
 from llamarig import tune as tune_module
 from llamarig.config import ConfigError, load_inventory
 from llamarig.config.inventory import tuned_path
-from llamarig.drafting import (
+from llamarig.gguf_header import read_gguf_header_file
+from llamarig.hardware import memory_bandwidth_gbs
+from llamarig.plan import plan_host, roofline_tps
+from llamarig.temporary_server import (
     DRAFT_MAX_VALUES,
     DRAFT_PROMPTS,
     DraftMeasured,
     draft_server_data,
     draft_start_command,
 )
-from llamarig.gguf_header import read_gguf_header_file
-from llamarig.hardware import memory_bandwidth_gbs
-from llamarig.plan import plan_host, roofline_tps
 from llamarig.tune import (
     CUT_AFTER,
     CUT_FLOOR_SECONDS,

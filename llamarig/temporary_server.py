@@ -1,7 +1,8 @@
-"""`llamarig tune` with speculative decoding (``server.spec``): llama-bench does not draft, so
-each draft length is served by a temporary llama-server of the deployed build on a loopback port
-beside the service's, asked the same short prompts, greedy; the median decode speed of the
-prompts is the draft length's."""
+"""A temporary llama-server of the deployed build for `llamarig tune`, on loopback on a port
+beside the service's, started outside the unit and stopped after: the throughput sweep loads it
+with clients, and with speculative decoding (``server.spec``) each draft length is served on it
+and asked the same short prompts, greedy (llama-bench does not draft); the median decode speed
+of the prompts is the draft length's."""
 
 from __future__ import annotations
 
@@ -43,15 +44,41 @@ def draft_port(data: dict) -> int:
     )
 
 
+def temporary_server(data: dict) -> dict:
+    """The rig data of a temporary server: ``data`` bound to loopback only, on a port beside
+    the service's."""
+    changed = copy.deepcopy(data)
+    changed["server"]["port"] = draft_port(data)
+    changed["server"]["host"] = "127.0.0.1"
+    return changed
+
+
 def draft_server_data(data: dict, draft_max: int) -> dict:
-    """The rig data of one temporary server: ``data`` (the rig with the tuned settings) with
-    ``draft_max``, bound to loopback only on a port beside the service's."""
-    served = copy.deepcopy(data)
-    server = served["server"]
-    server["spec"] = {**server["spec"], "draft_max": draft_max}
-    server["port"] = draft_port(data)
-    server["host"] = "127.0.0.1"
+    """The temporary server of ``data`` (the rig with the tuned settings) with ``draft_max``."""
+    served = temporary_server(data)
+    served["server"]["spec"] = {**served["server"]["spec"], "draft_max": draft_max}
     return served
+
+
+def starter(run: Callable[[str, float], tuple[int, str, str]]):
+    """Functions that start a temporary server for some rig data (returning its pid, once it
+    serves; ValueError with why when it does not) and stop it."""
+
+    def start(data: dict) -> int:
+        status, output, error = run(draft_start_command(data), 60)
+        if status:
+            raise ValueError(error.strip() or "could not start llama-server")
+        pid = int(output.strip().splitlines()[-1])
+        status, _, error = run(draft_wait_command(data, pid), DRAFT_START_SECONDS + 60)
+        if status:
+            stop(pid)
+            raise ValueError(" / ".join(error.strip().splitlines()[-3:]) or "did not start")
+        return pid
+
+    def stop(pid: int) -> None:
+        run(draft_stop_command(pid), 60)
+
+    return start, stop
 
 
 def draft_start_command(data: dict) -> str:
@@ -114,14 +141,9 @@ def draft_stop_command(pid: int) -> str:
 
 def _served_speeds(data: dict, run: Callable[[str, float], tuple[int, str, str]]) -> list[float]:
     """Start one temporary server, decode DRAFT_PROMPTS, stop it; raises ValueError."""
-    status, output, error = run(draft_start_command(data), 60)
-    if status:
-        raise ValueError(error.strip() or "could not start llama-server")
-    pid = int(output.strip().splitlines()[-1])
+    start, stop = starter(run)
+    pid = start(data)
     try:
-        status, _, error = run(draft_wait_command(data, pid), DRAFT_START_SECONDS + 60)
-        if status:
-            raise ValueError(" / ".join(error.strip().splitlines()[-3:]) or "did not start")
         speeds = []
         for prompt in DRAFT_PROMPTS:
             status, output, error = run(draft_request_command(data, prompt), 360)
@@ -133,7 +155,7 @@ def _served_speeds(data: dict, run: Callable[[str, float], tuple[int, str, str]]
             speeds.append(float(timings["predicted_per_second"]))
         return speeds
     finally:
-        run(draft_stop_command(pid), 60)
+        stop(pid)
 
 
 def draft_sweep(
