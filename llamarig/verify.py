@@ -33,9 +33,9 @@ def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
     memory = _planned_devices(plan)
     # A router's models each with their own plan: what each holds per GPU once loaded.
     model_memory = {
-        model.view.name: _planned_devices(model.plan)
+        model.view.name: devices
         for model in plan.models
-        if _planned_devices(model.plan)
+        if (devices := _planned_devices(model.plan))
     }
     served = [] if data["role"] == "rpc-worker" else served_data(data)
     files = list({file.dest: file for model in served for file in model_files(model)}.values())
