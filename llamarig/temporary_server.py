@@ -23,8 +23,8 @@ DRAFT_PROMPTS = (
     "Write a Python function that returns the sum of a list of integers, with a docstring.",
     "Repeat this sentence five times: the quick brown fox jumps over the lazy dog.",
 )
-DRAFT_PORT_OFFSET = 1000
-DRAFT_START_SECONDS = 600
+PORT_OFFSET = 1000
+START_SECONDS = 600
 
 
 @dataclass
@@ -36,19 +36,17 @@ class DraftMeasured:
     skipped: str = ""
 
 
-def draft_port(data: dict) -> int:
+def port_beside_service(data: dict) -> int:
     """The temporary server's port: beside the service's, never the service's own."""
     port = data["server"]["port"]
-    return (
-        port + DRAFT_PORT_OFFSET if port + DRAFT_PORT_OFFSET <= 65535 else port - DRAFT_PORT_OFFSET
-    )
+    return port + PORT_OFFSET if port + PORT_OFFSET <= 65535 else port - PORT_OFFSET
 
 
 def temporary_server(data: dict) -> dict:
     """The rig data of a temporary server: ``data`` bound to loopback only, on a port beside
     the service's."""
     changed = copy.deepcopy(data)
-    changed["server"]["port"] = draft_port(data)
+    changed["server"]["port"] = port_beside_service(data)
     changed["server"]["host"] = "127.0.0.1"
     return changed
 
@@ -65,23 +63,23 @@ def starter(run: Callable[[str, float], tuple[int, str, str]]):
     serves; ValueError with why when it does not) and stop it."""
 
     def start(data: dict) -> int:
-        status, output, error = run(draft_start_command(data), 60)
+        status, output, error = run(start_command(data), 60)
         if status:
             raise ValueError(error.strip() or "could not start llama-server")
         pid = int(output.strip().splitlines()[-1])
-        status, _, error = run(draft_wait_command(data, pid), DRAFT_START_SECONDS + 60)
+        status, _, error = run(wait_command(data, pid), START_SECONDS + 60)
         if status:
             stop(pid)
             raise ValueError(" / ".join(error.strip().splitlines()[-3:]) or "did not start")
         return pid
 
     def stop(pid: int) -> None:
-        run(draft_stop_command(pid), 60)
+        run(stop_command(pid), 60)
 
     return start, stop
 
 
-def draft_start_command(data: dict) -> str:
+def start_command(data: dict) -> str:
     """Start the planned llama-server outside the unit, detached from the ssh session, with
     the launcher's environment; prints its pid. Refuses a port something answers on."""
     environment = render.service_environment(data)
@@ -101,12 +99,12 @@ def draft_start_command(data: dict) -> str:
     )
 
 
-def draft_wait_command(data: dict, pid: int) -> str:
+def wait_command(data: dict, pid: int) -> str:
     """Wait for /health 200; fail with the log's last lines if the server exits first."""
     health = shlex.quote(f"{render.base_url(data)}/health")
     log = shlex.quote(f"{render.service_environment(data)['HOME']}/tune-draft.log")
     return (
-        f"i=0; while [ $i -lt {DRAFT_START_SECONDS * 2} ]; do "
+        f"i=0; while [ $i -lt {START_SECONDS * 2} ]; do "
         f"curl -s -f -o /dev/null -m 5 -- {health} && exit 0; "
         f"kill -0 {pid} 2>/dev/null || {{ tail -n 5 {log} >&2; exit 1; }}; "
         "sleep 0.5; i=$((i+1)); done; echo 'not ready in time' >&2; exit 1"
@@ -132,7 +130,7 @@ def draft_request_command(data: dict, prompt: str) -> str:
     )
 
 
-def draft_stop_command(pid: int) -> str:
+def stop_command(pid: int) -> str:
     return (
         f"kill {pid} 2>/dev/null; i=0; while kill -0 {pid} 2>/dev/null && [ $i -lt 60 ]; do "
         f"sleep 0.5; i=$((i+1)); done; kill -9 {pid} 2>/dev/null; true"

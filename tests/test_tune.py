@@ -23,7 +23,7 @@ from llamarig.temporary_server import (
     DRAFT_PROMPTS,
     DraftMeasured,
     draft_server_data,
-    draft_start_command,
+    start_command,
 )
 from llamarig.tune import (
     CUT_AFTER,
@@ -292,9 +292,7 @@ def _started(command: str) -> list[str]:
 
 def test_the_temporary_server_is_the_planned_one_on_loopback_beside_the_service(drafting_plan):
     chosen = Candidate("none", None, 256, 2)
-    command = draft_start_command(
-        draft_server_data(with_candidate(drafting_plan.resolved, chosen), 3)
-    )
+    command = start_command(draft_server_data(with_candidate(drafting_plan.resolved, chosen), 3))
     argv = _started(command)
     pairs = dict(zip(argv[1::2], argv[2::2], strict=False))
     assert (pairs["--host"], pairs["--port"]) == ("127.0.0.1", "9080")  # the service: 8080
@@ -308,7 +306,7 @@ def test_the_temporary_server_is_the_planned_one_on_loopback_beside_the_service(
     keyed["server"].update(api_key_file="/home/me/key", host="0.0.0.0", port=65000)
     keyed_plan = plan_host("sandbox", keyed, None)
     served = draft_server_data(with_candidate(keyed_plan.resolved, chosen), 1)
-    argv = _started(draft_start_command(served))
+    argv = _started(start_command(served))
     assert argv[-2:] == ["--api-key-file", "/etc/llamarig/api-key"]  # after the flag --metrics
     assert argv[argv.index("--host") + 1 : argv.index("--port") + 2] == [
         "127.0.0.1", "--port", "64000",
