@@ -28,8 +28,7 @@ from llamarig import render  # noqa: E402
 from llamarig.config import load_inventory  # noqa: E402
 from llamarig.gguf_header import read_gguf_header_file  # noqa: E402
 from llamarig.model.catalog import model_views, with_views  # noqa: E402
-from llamarig.plan import plan_host  # noqa: E402
-from llamarig.router import PlannedModel, loaded_at_once  # noqa: E402
+from llamarig.plan import PlannedModel, loaded_at_once, plan_host  # noqa: E402
 
 PORT = 8190
 NAMES = ("llama-8b", "llama-32b")

@@ -15,9 +15,8 @@ import yaml
 from pyinfra.facts.server import LinuxDistribution
 
 from llamarig import platform, render
-from llamarig.facts import NvccVersion, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.plan import gpus_from_pci
-from llamarig.remote import Reader
+from llamarig.facts import NvccVersion, NvidiaPciDevices, NvidiaSmiGpus, Reader
+from llamarig.hardware import gpus_from_pci
 
 
 @dataclass

@@ -6,12 +6,18 @@ import base64
 import json
 import re
 import shlex
+from collections.abc import Callable
+from typing import Any
 
 from pyinfra.api import FactBase
 
 from llamarig import checksums
 from llamarig.hostpaths import APT_UPDATE_STAMP, BUILD_COMPLETE_MARKER, CURL_AUTH
 from llamarig.httpbounds import HttpTimeouts
+
+# A reader answers a pyinfra fact for the host: ``reader(FactClass, **arguments)``, as
+# ``pyinfra.host.get_fact`` does in a deploy.
+Reader = Callable[..., Any]
 
 
 class NvidiaPciDevices(FactBase):

@@ -156,6 +156,28 @@ def gpu_from_pci_id(device_id: int | str) -> GpuModel | None:
     return PCI_DEVICES.get(device_id)
 
 
+def gpus_from_pci(devices: list[dict]) -> tuple[list[dict], list[str]]:
+    """GPU records from PCI device ids (before a driver exists); unknown ids become warnings."""
+    gpus, warnings = [], []
+    for device in devices:
+        model = gpu_from_pci_id(device["device_id"])
+        if model is None:
+            warnings.append(
+                f"PCI device 10de:{device['device_id'][2:]} at {device['bus_id']} is not in "
+                "llamarig's table; declare it in `gpus`"
+            )
+            continue
+        gpus.append(
+            {
+                "name": model.name,
+                "vram_mib": model.vram_mib,
+                "compute_capability": model.compute_capability,
+                "bus_id": device["bus_id"],
+            }
+        )
+    return gpus, warnings
+
+
 # --- version floors --------------------------------------------------------------------------
 
 Version = tuple[int, ...]

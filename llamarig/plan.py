@@ -18,7 +18,6 @@ from llamarig.gguf_header import GgufHeader
 from llamarig.hardware import (
     check_versions,
     chosen_versions,
-    gpu_from_pci_id,
     memory_bandwidth_gbs,
     same_gpu_name,
 )
@@ -32,7 +31,7 @@ from llamarig.memory import (
     kv_cells,
     plan_memory,
 )
-from llamarig.router import AtOnce, PlannedModel
+from llamarig.model.catalog import ModelView, with_views
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
 DEFAULT_DRAFT_MAX = 3
@@ -294,26 +293,114 @@ class HostPlan:
         return "\n".join(lines)
 
 
-def gpus_from_pci(devices: list[dict]) -> tuple[list[dict], list[str]]:
-    """GPU records from PCI device ids (before a driver exists); unknown ids become warnings."""
-    gpus, warnings = [], []
-    for device in devices:
-        model = gpu_from_pci_id(device["device_id"])
-        if model is None:
-            warnings.append(
-                f"PCI device 10de:{device['device_id'][2:]} at {device['bus_id']} is not in "
-                "llamarig's table; declare it in `gpus`"
-            )
-            continue
-        gpus.append(
-            {
-                "name": model.name,
-                "vram_mib": model.vram_mib,
-                "compute_capability": model.compute_capability,
-                "bus_id": device["bus_id"],
-            }
+# --- a rig of several models (`models:`, llama-server's router mode): each model planned as a
+# one-model rig (`plan_host`), then the models that may be loaded at once planned together, each
+# child process with its own reserve (CUDA context, workspaces).
+
+
+@dataclass(frozen=True)
+class PlannedModel:
+    """One model of the rig with its own plan."""
+
+    view: ModelView
+    plan: HostPlan
+
+    @property
+    def device_mib(self) -> dict[str, int]:
+        """MiB this model's process holds per GPU (its buffers and its reserve)."""
+        memory = self.plan.memory
+        return {d.name: d.planned_mib for d in memory.devices} if memory else {}
+
+
+@dataclass(frozen=True)
+class AtOnce:
+    """The models that may be loaded at once and what they need together, per GPU."""
+
+    names: list[str]
+    # name -> (planned MiB of all of them, with the margin, of how many the GPU has)
+    devices: dict[str, tuple[int, int, int]]
+    problems: list[str]
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems and all(need <= have for _, need, have in self.devices.values())
+
+    def table(self) -> str:
+        lines = [f"loaded at once (worst case): {', '.join(self.names)}"]
+        if self.devices:
+            width = max(len("GPU"), *(len(name) for name in self.devices)) + 2
+            lines.append(f"{'GPU':<{width}}{'planned':>9}{'need':>8}{'have':>8}{'deficit':>9}")
+            for name, (planned, need, have) in self.devices.items():
+                deficit = max(0, need - have)
+                lines.append(f"{name:<{width}}{planned:>9}{need:>8}{have:>8}{deficit:>9}")
+        return "\n".join(lines)
+
+
+def loaded_at_once(models: list[PlannedModel], models_max: int | None) -> AtOnce:
+    """The worst case the router may reach: the models loaded at startup, then the largest of
+    the others, up to ``models_max`` (None: all); their GPU memory summed per GPU, the safety
+    margin counted once."""
+    most = models_max or len(models)
+    startup = [m for m in models if m.view.load_on_startup]
+    problems = []
+    if len(startup) > most:
+        problems.append(
+            f"server.models_max is {most}, but {len(startup)} models load at startup "
+            f"({', '.join(m.view.name for m in startup)}): raise models_max or set "
+            "load_on_startup: false on some"
         )
-    return gpus, warnings
+    others = sorted(
+        (m for m in models if not m.view.load_on_startup),
+        key=lambda m: sum(m.device_mib.values()),
+        reverse=True,
+    )
+    chosen = (startup + others)[: max(most, len(startup))]
+    devices: dict[str, tuple[int, int, int]] = {}
+    for model in chosen:
+        memory = model.plan.memory
+        for device in memory.devices if memory else []:
+            planned, _, _ = devices.get(device.name, (0, 0, device.vram_mib))
+            planned += device.planned_mib
+            devices[device.name] = (planned, planned + device.margin_mib, device.vram_mib)
+    at_once = AtOnce([m.view.name for m in chosen], devices, problems)
+    short = [
+        f"{name} lacks {need - have} MiB ({need} needed, {have} there)"
+        for name, (_, need, have) in devices.items()
+        if need > have
+    ]
+    if short:
+        problems.append(
+            f"the models that may be loaded at once ({', '.join(at_once.names)}) do not fit "
+            f"together: {'; '.join(short)}; lower server.models_max, a model's ctx or "
+            "parallel, or serve fewer models"
+        )
+    return at_once
+
+
+def plan_router(name: str, data: dict, planned: list[PlannedModel]) -> HostPlan:
+    """The plan of a rig of several models from each model's own plan (``planned``, in the
+    order of `models:`): their problems named by model, and those loaded at once together."""
+    at_once = loaded_at_once(planned, data["server"]["models_max"])
+
+    def named(model: PlannedModel, lines: list[str]) -> list[str]:
+        return [f"models[{model.view.index}] ({model.view.name}): {line}" for line in lines]
+
+    first = planned[0].plan
+    return HostPlan(
+        host=name,
+        resolved=with_views(data, [model.view for model in planned]),
+        gpus=first.gpus,
+        gpu_source=first.gpu_source,
+        cuda_architectures=first.cuda_architectures,
+        memory=None,
+        errors=[e for m in planned for e in named(m, m.plan.errors)] + at_once.problems,
+        warnings=[w for m in planned for w in named(m, m.plan.warnings)],
+        notes=[n for m in planned for n in named(m, m.plan.notes)],
+        blind=[line for model in planned for line in named(model, model.plan.blind)],
+        blind_reason=next((m.plan.blind_reason for m in planned if m.plan.blind), ""),
+        models=planned,
+        at_once=at_once,
+    )
 
 
 def compare_gpus(declared: list[dict], found: list[dict], where: str) -> list[str]:

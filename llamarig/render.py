@@ -238,6 +238,31 @@ def render_presets(data: dict) -> str:
     return render_file("llama-server.presets.ini.j2", sections=preset_sections(data))
 
 
+def preset_sections_of(lines: list[str]) -> dict[str, list[str]]:
+    """The sections of a presets file llamarig wrote (``render.render_presets``), each model's
+    name with its option lines as written."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in (line.strip() for line in lines):
+        if line.startswith("[") and line.endswith("]"):
+            current = sections.setdefault(line[1:-1], [])
+        elif current is not None and line and not line.startswith(";"):
+            current.append(line)
+    return sections
+
+
+def unloaded_by_reload(served: list[str] | None, new: str) -> list[str]:
+    """The models a router unloads when it reads the presets ``new`` in place of ``served``
+    (the lines of the presets it serves; None: not known, so every one of them may be): those
+    whose section changed or is gone, as llama-server's reload decides (server-models.cpp)."""
+    wanted = preset_sections_of(new.splitlines())
+    if served is None:
+        return list(wanted)
+    return [
+        name for name, options in preset_sections_of(served).items() if wanted.get(name) != options
+    ]
+
+
 def model_options(data: dict) -> list[tuple[str, str | None]]:
     """The options of llama-server that serve one model as planned, each (flag, value) or
     (flag, None): the one-model command line, and a router's preset for the model."""

@@ -14,7 +14,9 @@ import posixpath
 import re
 import unicodedata
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
+
+from llamarig.model.files import url_file_name
 
 # RFC 1123 host names: dot-separated labels of letters, digits and inner hyphens.
 _LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
@@ -378,13 +380,3 @@ def shape_problems(data: dict) -> list[tuple]:
                 )
             )
     return problems
-
-
-def url_file_name(url: str) -> str:
-    """The file name a URL names: its path's last part, percent-decoded (as a browser saves
-    it)."""
-    try:
-        path = urlsplit(url).path
-    except ValueError:
-        path = url
-    return unquote(path.rstrip("/").rsplit("/", 1)[-1])

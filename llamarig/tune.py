@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from llamarig import hostpaths, render, temporary_server, throughput
+from llamarig import hostpaths, render, throughput
 from llamarig.config import HostConfig
 from llamarig.config.inventory import load_inventory, tuned_path
 from llamarig.model.catalog import is_router
@@ -219,6 +219,11 @@ def winner(results: list[Measured], planned: Candidate) -> Measured:
     return best
 
 
+def _note(result: Measured | throughput.DraftMeasured, chosen: object) -> str:
+    """A table row's note: why it was not measured, or that it is the one tuned."""
+    return result.skipped or ("<- tuned" if result is chosen else "")
+
+
 def table(results: list[Measured], chosen: Measured, roofline: float | None) -> str:
     lines = [f"{'configuration':<32}{'decode t/s':>11}{'+-':>7}{'prompt t/s':>12}  note"]
     for result in results:
@@ -227,7 +232,7 @@ def table(results: list[Measured], chosen: Measured, roofline: float | None) -> 
             if result.tps
             else f"{'-':>11}{'':>7}{'-':>12}"
         )
-        note = result.skipped or ("<- tuned" if result is chosen else "")
+        note = _note(result, chosen)
         if result.tps and roofline:
             note = f"{result.tps / roofline:.0%} of roofline {note}".strip()
         lines.append(f"{result.candidate.label:<32}{speed}  {note}")
@@ -236,13 +241,32 @@ def table(results: list[Measured], chosen: Measured, roofline: float | None) -> 
     return "\n".join(lines)
 
 
+def draft_table(
+    results: list[throughput.DraftMeasured], chosen: throughput.DraftMeasured | None, types: str
+) -> str:
+    lines = [
+        f"served decode with --spec-type {types} ({len(throughput.DRAFT_PROMPTS)} prompts, "
+        f"{throughput.DRAFT_TOKENS} tokens, greedy; median and range):",
+        f"{'draft_max':<32}{'decode t/s':>11}{'range':>19}  note",
+    ]
+    for result in results:
+        speed = (
+            f"{result.tps:>11.1f}{f'{result.low:.1f}-{result.high:.1f}':>19}"
+            if result.tps
+            else f"{'-':>11}{'':>19}"
+        )
+        note = _note(result, chosen)
+        lines.append(f"{result.draft_max:<32}{speed}  {note}")
+    return "\n".join(lines)
+
+
 def plot(
     results: list[Measured],
     chosen: Measured,
     roofline: float | None,
     path: Path,
-    drafts: list[temporary_server.DraftMeasured] = (),
-    draft: temporary_server.DraftMeasured | None = None,
+    drafts: list[throughput.DraftMeasured] = (),
+    draft: throughput.DraftMeasured | None = None,
 ) -> bool:
     """A bar chart of the sweep with the roofline, and of the served draft lengths beside it;
     False when matplotlib is not installed."""
@@ -287,7 +311,7 @@ def write_tuned(
     host: str,
     chosen: Measured,
     identity: str,
-    draft: temporary_server.DraftMeasured | None = None,
+    draft: throughput.DraftMeasured | None = None,
 ) -> None:
     settings = {k: v for k, v in chosen.candidate.settings().items() if v is not None}
     served = ""
@@ -295,8 +319,8 @@ def write_tuned(
         settings["spec"] = {"draft_max": draft.draft_max}
         served = (
             f"# draft_max {draft.draft_max} served at {draft.tps:.1f} t/s (median of "
-            f"{len(temporary_server.DRAFT_PROMPTS)} greedy prompts of "
-            f"{temporary_server.DRAFT_TOKENS} tokens).\n"
+            f"{len(throughput.DRAFT_PROMPTS)} greedy prompts of "
+            f"{throughput.DRAFT_TOKENS} tokens).\n"
         )
     header = (
         f"# Written by `llamarig tune` for {host} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC:\n"
@@ -416,10 +440,10 @@ def draft_sweep(
     identity: str,
     deadline: float,
     say: Callable[[str], None],
-) -> list[temporary_server.DraftMeasured]:
-    """Each draft length served with ``chosen`` (``temporary_server.draft_sweep``) until
+) -> list[throughput.DraftMeasured]:
+    """Each draft length served with ``chosen`` (``throughput.draft_sweep``) until
     ``deadline``, reusing what the sweep file holds."""
-    return temporary_server.draft_sweep(
+    return throughput.draft_sweep(
         with_candidate(plan.resolved, chosen),
         chosen.label,
         run,
@@ -431,8 +455,8 @@ def draft_sweep(
 
 
 def draft_winner(
-    results: list[temporary_server.DraftMeasured], planned: int | None
-) -> temporary_server.DraftMeasured | None:
+    results: list[throughput.DraftMeasured], planned: int | None
+) -> throughput.DraftMeasured | None:
     """The fastest draft length; the planned one while within KEEP_WITHIN of it; None when
     none was measured."""
     measured = [r for r in results if r.tps]
@@ -445,42 +469,42 @@ def draft_winner(
     return fastest
 
 
-def _slots_busy(data: dict) -> bool | None:
+def _slots_busy(data: dict, run: throughput.Run) -> bool | None:
     """Whether any slot of the running server is processing a request (None: no answer)."""
     slots = shlex.quote(f"{render.base_url(data)}/slots")
-    result = run_on_host(data, f"curl -sS -f -m 5 {hostpaths.CURL_AUTH} -- {slots}", timeout=30)
-    if result.returncode:
+    status, output, _ = run(f"curl -sS -f -m 5 {hostpaths.CURL_AUTH} -- {slots}", 30)
+    if status:
         return None
     try:
-        return any(slot.get("is_processing") for slot in json.loads(result.stdout))
+        return any(slot.get("is_processing") for slot in json.loads(output))
     except (ValueError, AttributeError):
         return None
 
 
 @contextmanager
-def _service_stopped(data: dict, force: bool, say: Callable[[str], None]):
+def _service_stopped(data: dict, run: throughput.Run, force: bool, say: Callable[[str], None]):
     """The host's llama-server unit stopped for the sweep (it holds the memory and the cores
     llama-bench measures) and started again afterwards; refused while it serves a request."""
     service = f"{data['server']['service']}.service"
     unit = shlex.quote(service)
     active = (
         data["server"]["supervisor"] == "systemd"
-        and not run_on_host(data, f"systemctl is-active --quiet -- {unit}").returncode
+        and not run(f"systemctl is-active --quiet -- {unit}", 120)[0]
     )
-    if active and _slots_busy(data) and not force:
+    if active and _slots_busy(data, run) and not force:
         raise TuneError(
             f"{service} is serving a request now; tune stops it for the sweep: try again when "
             "it is idle, or pass --force"
         )
     if active:
         say(f"  stopping {service} for the sweep")
-        run_on_host(data, f"systemctl stop -- {unit}")
+        run(f"systemctl stop -- {unit}", 120)
     try:
         yield
     finally:
         if active:
             say(f"  starting {service} again")
-            run_on_host(data, f"systemctl start -- {unit}")
+            run(f"systemctl start -- {unit}", 120)
 
 
 def write_tuned_throughput(
@@ -511,8 +535,8 @@ def write_tuned_throughput(
 def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) -> Path:
     """The load sweep of `throughput` on ``plan``'s host; writes and returns the tuned file."""
     tuned_file, sweep_file, identity, inventory = files
-    data = temporary_server.temporary_server(plan.resolved)  # the clients load it
-    start, stop = temporary_server.starter(run)
+    data = throughput.temporary_server(plan.resolved)  # the clients load it
+    start, stop = throughput.starter(run)
     tuned_server = (yaml.safe_load(tuned_file.read_text()) or {}) if tuned_file.is_file() else {}
     if (tuned_server.get("server") or {}).get("spec", {}).get("type") == throughput.SPEC_OFF:
         say(
@@ -616,28 +640,29 @@ def tune_host(
     inputs = gathered.plan_inputs()
     if not plan.fits:
         raise TuneError(f"{name}: the plan does not fit:\n" + "\n".join(plan.errors))
-    binary = "llama-bench" if goal == "decode" else "llama-server"
-    bench = f"{render.layout(plan.resolved)['current']}/bin/{binary}"
-    if run_on_host(data, f"test -x {shlex.quote(bench)}").returncode:
-        raise TuneError(f"{name}: {bench} is not there: deploy with {binary} in the targets")
-    cpu_count = int(run_on_host(data, "nproc").stdout.strip() or 1)
-    tuned_file = tuned_path(inventory, name)
-    sweep_file = tuned_file.with_name(f".{name}.sweep.json")
-    identity = f"build {render.build_id(plan.resolved)}, model {render.layout(data)['model']}"
 
     def run(command: str, timeout: float) -> tuple[int, str, str]:
         result = run_on_host(data, command, timeout=timeout)
         return result.returncode, result.stdout, result.stderr
 
+    binary = "llama-bench" if goal == "decode" else "llama-server"
+    bench = f"{render.layout(plan.resolved)['current']}/bin/{binary}"
+    if run(f"test -x {shlex.quote(bench)}", 120)[0]:
+        raise TuneError(f"{name}: {bench} is not there: deploy with {binary} in the targets")
+    cpu_count = int(run("nproc", 120)[1].strip() or 1)
+    tuned_file = tuned_path(inventory, name)
+    sweep_file = tuned_file.with_name(f".{name}.sweep.json")
+    identity = f"build {render.build_id(plan.resolved)}, model {render.layout(data)['model']}"
+
     say(f"{name}: tuning for {goal}, for at most {minutes:g} minutes ({identity})")
     deadline = time.monotonic() + minutes * 60
     if goal == "throughput":
-        with _service_stopped(data, force, say):
+        with _service_stopped(data, run, force, say):
             files = (tuned_file, sweep_file, identity, inventory)
             return _tune_throughput(plan, inputs, run, files, deadline, say)
     spec = plan.resolved["server"]["spec"]
     drafts, draft = [], None
-    with _service_stopped(data, force, say):
+    with _service_stopped(data, run, force, say):
         results = sweep(plan, inputs, run, cpu_count, sweep_file, identity, deadline, say)
         chosen = winner(results, planned_candidate(plan))
         if spec["type"]:
@@ -646,7 +671,7 @@ def tune_host(
     roofline = roofline_tps(plan)
     say(table(results, chosen, roofline))
     if spec["type"]:
-        say(temporary_server.draft_table(drafts, draft, ",".join(spec["type"])))
+        say(draft_table(drafts, draft, ",".join(spec["type"])))
     write_tuned(tuned_file, name, chosen, identity, draft)
     tuned_label = chosen.candidate.label + (f", draft_max {draft.draft_max}" if draft else "")
     say(f"{name}: tuned settings written to {tuned_file} ({tuned_label})")

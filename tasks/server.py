@@ -18,7 +18,7 @@ from llamarig.factcache import known
 from llamarig.facts import FileState, RunningService
 from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import model_views
-from llamarig.router import unloaded_by_reload
+from llamarig.render import unloaded_by_reload
 
 
 @api.deploy("tasks/server.py")

@@ -16,8 +16,12 @@ from llamarig.facts import FileHead, FileIdentity
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.model import header as model_header
 from llamarig.model.files import ModelFile
-from llamarig.model.header import HOST_HEADER_FIRST_READ, HOST_HEADER_READ, fetch_header
-from llamarig.remote import host_header
+from llamarig.model.header import (
+    HOST_HEADER_FIRST_READ,
+    HOST_HEADER_READ,
+    fetch_header,
+    host_header,
+)
 from tests.ggufmodels import llama_metadata, llama_tensors, write_gguf, write_llama
 from tests.hubstandin import HubStandIn, RunningStandIn
 

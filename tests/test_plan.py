@@ -12,9 +12,10 @@ import pytest
 
 from llamarig.config import load_inventory
 from llamarig.gguf_header import read_gguf_header_file
+from llamarig.hardware import gpus_from_pci
 from llamarig.llama_args import GUARDED_FLAGS, option_name
 from llamarig.operations import server_flags
-from llamarig.plan import compare_gpus, gpus_from_pci, plan_host
+from llamarig.plan import compare_gpus, plan_host
 from llamarig.render import RENAMED_FLAGS
 from tests.conftest import PROJECT, offline, pyinfra_env
 from tests.ggufmodels import Qwen35Shape, write_llama, write_qwen35

@@ -23,8 +23,8 @@ from llamarig.config import ConfigError, load_inventory
 from llamarig.facts import ServerProbe, slot_counts_command
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.model.catalog import model_views, with_views
-from llamarig.plan import plan_host
-from llamarig.router import PlannedModel, loaded_at_once, preset_sections_of, unloaded_by_reload
+from llamarig.plan import PlannedModel, loaded_at_once, plan_host
+from llamarig.render import preset_sections_of, unloaded_by_reload
 from tests.conftest import PROJECT, default_http_timeouts
 from tests.ggufmodels import Qwen35Shape, write_qwen35
 

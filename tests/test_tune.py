@@ -18,7 +18,7 @@ from llamarig.config.inventory import tuned_path
 from llamarig.gguf_header import read_gguf_header_file
 from llamarig.hardware import memory_bandwidth_gbs
 from llamarig.plan import plan_host, roofline_tps
-from llamarig.temporary_server import (
+from llamarig.throughput import (
     DRAFT_MAX_VALUES,
     DRAFT_PROMPTS,
     DraftMeasured,

@@ -10,9 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import PurePosixPath
-from urllib.parse import urlsplit, urlunsplit
-
-from llamarig.shapes import url_file_name
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 _SPLIT = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
@@ -51,6 +49,16 @@ def shard_names(name: str) -> list[str]:
 def shard_count(name: str) -> int:
     parts = split_parts(name)
     return parts[2] if parts else 1
+
+
+def url_file_name(url: str) -> str:
+    """The file name a URL names: its path's last part, percent-decoded (as a browser saves
+    it)."""
+    try:
+        path = urlsplit(url).path
+    except ValueError:
+        path = url
+    return unquote(path.rstrip("/").rsplit("/", 1)[-1])
 
 
 def sibling_paths(path: str) -> list[str]:

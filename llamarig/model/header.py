@@ -25,10 +25,16 @@ import re
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from llamarig.facts import FileHead, FileIdentity, Reader, UrlHead
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
-from llamarig.model.files import shard_digests, sibling_paths, sibling_urls
+from llamarig.hostpaths import HUB_TOKEN_HEADER_PATH
+from llamarig.model import header_record
+from llamarig.model.files import ModelFile, model_files, shard_digests, sibling_paths, sibling_urls
+from llamarig.model.lock import declared_key, header_key, lock_path, recorded_header
 from llamarig.model.reference import HubError, read_token
 
 HEADER_FIRST_READ = 8 << 20
@@ -128,6 +134,137 @@ def header_from_host(
         return merge_split([head for head, _ in heads]), ""
     except GgufError as error:
         return None, f"{reason}; {error}"
+
+
+# --- the header of the rig's model, wherever it is had ---
+
+
+@dataclass
+class FoundHeader:
+    """The model's header as `find_model_header` found it, and what a deploy records of it."""
+
+    header: GgufHeader | None = None
+    header_note: str = ""  # why there is no header
+    header_source: str = ""  # models.lock.yml when the header came from its record
+    header_declared: str = ""  # where a declared header's values come from (none read)
+    # headers read from the model's files that models.lock.yml does not hold: (key, header)
+    read: list[tuple[dict, GgufHeader]] = field(default_factory=list)
+    # declared headers (keys) that the files' own headers in ``read`` replace
+    superseded: list[dict] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def find_model_header(found: FoundHeader, data: dict, reader: Reader | None) -> None:
+    """The model's header, into ``found``: recorded in models.lock.yml, else read from the
+    model's URL, else from the file on the host (through ``reader``; None: the host is not
+    contacted). A header read from the file that the lock does not hold (or holds with another
+    digest) goes to ``found.read``, to be recorded.
+    A file with no sha256 may change on the host: with the host at hand its own header wins
+    over the record."""
+    files = model_files(data)
+    keys = [header_key(file) for file in files]
+    lock = lock_path()
+    try:
+        locked = [
+            recorded_header(lock, key) or recorded_header(lock, declared_key(file))
+            for key, file in zip(keys, files, strict=True)
+        ]
+    except GgufError as error:
+        locked, found.warnings = [None] * len(files), [*found.warnings, str(error)]
+    pinned = all(file.sha256 for file in files)
+    declared = any(record is not None and not record.digest for record in locked)
+    if all(locked) and not declared and (pinned or reader is None):
+        found.header, found.header_source = merge_split(locked), str(lock)
+        return
+    headers, note = url_headers(data)
+    if not headers and reader is not None:
+        heads = [(host_header(reader, file), file.dest) for file in files]
+        merged, note = header_from_host(heads, note)
+        headers = [head for head, _ in heads] if merged else []
+        if not headers and all(file.url for file in files):
+            # Not on the host yet: the host may reach the URL where this machine cannot.
+            from_host = [host_url_header(reader, file) for file in files]
+            if all(isinstance(head, GgufHeader) for head in from_host):
+                headers = from_host
+    if not headers:
+        if all(locked):  # not readable yet (the file is not on the host): the record plans
+            found.header, found.header_source = merge_split(locked), str(lock)
+            found.header_declared = "; ".join(
+                dict.fromkeys(r.source for r in locked if not r.digest)
+            )
+        else:
+            found.header_note = note
+        return
+    try:
+        found.header = merge_split(headers)
+    except GgufError as error:
+        found.header_note = str(error)
+        return
+    for key, header, record, file in zip(keys, headers, locked, files, strict=True):
+        if record is None or record.digest != header.digest:
+            found.read.append((key, header))
+        if record is None or record.digest == header.digest:
+            continue
+        what = next(iter(key.values()))
+        if record.digest:
+            found.warnings.append(
+                f"{lock}: the recorded header of {what} is not the file's (digest "
+                f"{record.digest[:12]} against {header.digest[:12]}): planned with the file's, "
+                "and recorded again by a deploy or `llamarig lock`"
+            )
+            continue
+        found.superseded.append(declared_key(file))
+        differ = header_record.differences(record, header)
+        found.warnings.append(
+            f"{record.source}: the file's header "
+            + (f"differs: {'; '.join(differ)}; planned with the file's" if differ else "agrees")
+            + ", which a deploy or `llamarig lock` records in its place"
+        )
+
+
+def host_url_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:
+    """The GGUF header of a model file's URL as the host reads it (with the Hub token's header
+    file where the host has one), kept on this machine by the file's sha256; None when the
+    host reads nothing."""
+    return _kept_or_read(
+        file.sha256,
+        file.url,
+        lambda size: reader(UrlHead, url=file.url, size=size, header_file=HUB_TOKEN_HEADER_PATH),
+    )
+
+
+def host_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:
+    """The GGUF header of a model file on the host, the error reading it, or None when the
+    file is not there: kept on this machine by the file's sha256, else by its path and
+    identity (``llamarig.model.header``); else read over the connection."""
+    key = file.sha256 or identity_key(file.dest, reader(FileIdentity, path=file.dest))
+    return _kept_or_read(key, file.dest, lambda size: reader(FileHead, path=file.dest, size=size))
+
+
+def _kept_or_read(
+    key: str | None, name: str, read: Callable[[int], bytes | None]
+) -> GgufHeader | GgufError | None:
+    """The header kept on this machine under ``key``, else the one in the first bytes that
+    ``read(size)`` gives (a small read first, the rest only for a large header), kept; the
+    error reading it, or None when ``read`` gives nothing."""
+    kept = cached(key, name=name)
+    if kept is not None:
+        return kept
+    header: GgufHeader | GgufError | None = None
+    for size in (HOST_HEADER_FIRST_READ, HOST_HEADER_READ):
+        head = read(size)
+        if not head:
+            return None
+        try:
+            header = read_gguf_header(head, name=name)
+            break
+        except GgufError as error:  # truncated, or damaged: a larger read says which
+            header = error
+            if len(head) < size:  # the whole file was read
+                break
+    if isinstance(header, GgufHeader):
+        keep(key, head, header)
+    return header
 
 
 # --- the headers kept on this machine ---

@@ -340,7 +340,7 @@ def reload_presets(
     + service: the router's unit, as the drain names it
     + timeout: seconds the router may take (it answers once the changed models have exited)
     + http_timeouts: the server's server.http_timeouts (the connect bound; each look at /slots)
-    + unloading: the models the reload unloads (``router.unloaded_by_reload``)
+    + unloading: the models the reload unloads (``render.unloaded_by_reload``)
     + drain_timeout: seconds to wait for their requests in flight (server.drain_timeout)
 
     **Example:**
