@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # The test tiers of docs/testing.md: `quick` (make test), `all` (make test-all, what CI runs) and
 # `soak` (make test-soak: the scenarios under sustained load, by themselves).
-# One pytest run on two workers (pytest-xdist, `--dist loadgroup`): a worker takes a lane of
-# sandbox scenarios (tests/conftest.py, SCENARIO_LANES) and runs it to the end, the other the
-# unit tests one by one, then the next lane. The sandbox's roots and downloads are prepared
-# beside them from the start (network-bound work: debootstrap, PyPI); a scenario's `up` waits
-# for them. Two workers, not one per CPU: a scenario compiles on every CPU (a third worker made
-# the main phase 23% longer, docs/testing.md). Then, in `all`, the scenarios marked `alone`, by
-# themselves.
+# `quick`: one pytest run on two workers (pytest-xdist, `--dist loadgroup`): one worker takes the
+# lane of its sandbox scenario (tests/conftest.py, SCENARIO_LANES), the other the unit tests.
+# `all`: first the lanes of sandbox scenarios alone on two workers, each worker running a lane to
+# the end, then the next lane (a scenario compiles on every CPU: a third worker made that phase
+# 23% longer, docs/testing.md); then the scenarios marked `alone`, whose verdicts rest on speeds
+# measured here, with the unit and property tests beside them pinned to one CPU: a steady load
+# on one CPU is what those scenarios are proven to tell apart (a build in a lane, bursting on
+# every CPU, is not). The sandbox's roots and downloads are prepared beside the first phase from
+# the start (network-bound work: debootstrap, PyPI); a scenario's `up` waits for them.
 set -uo pipefail
 tier=${1:-} bin=${2:-.venv/bin}
 case "$tier" in
   quick) selection=(-m "not heavy") releases=(--release trixie) ;;
-  all) selection=(-m "not alone and not soak") releases=(--release trixie --release bookworm) ;;
+  all) selection=(-m "sandbox and not alone and not soak") releases=(--release trixie --release bookworm) ;;
   soak) exec "$bin/pytest" -m soak -rs -s --durations=10 ;;
   *) echo "usage: $0 quick|all|soak [VENV_BIN]" >&2; exit 2 ;;
 esac
@@ -29,9 +31,22 @@ if [ -n "$prepared" ] && ! wait "$prepared"; then
   echo "llamarig sandbox prepare failed (the scenarios retried it and said why):"
   tail -n 5 "$prepare_log"
 fi
-# The scenarios whose verdicts rest on speeds measured here run last, by themselves: a build
-# in the other lane slows a decode up to 20-fold, more than any slowdown they must tell apart.
+# The scenarios whose verdicts rest on speeds measured here run last, without a lane beside them:
+# a build in the other lane slows a decode up to 20-fold, more than any slowdown they must tell
+# apart. The unit tests run meanwhile on CPU 0 alone (their own temporary directory; their
+# output follows the scenarios').
 if [ "$tier" = all ]; then
+  pinned=()
+  if [ "$(nproc)" -ge 2 ] && command -v taskset >/dev/null; then pinned=(taskset -c 0); fi
+  units_log=$(mktemp) units_tmp=$(mktemp -d)
+  "${pinned[@]}" "$bin/pytest" -m "not sandbox" -rs --durations=10 -p no:cacheprovider \
+    --basetemp "$units_tmp" >"$units_log" 2>&1 &
+  units=$!
+  if [ ${#pinned[@]} = 0 ]; then wait "$units" || status=$?; fi  # one CPU: one after the other
   "$bin/pytest" -m "alone and not soak" -rs --durations=10 || status=$?
+  if [ ${#pinned[@]} != 0 ]; then wait "$units" || status=$?; fi
+  echo "=== the unit and property tests (${pinned[*]:-not pinned}), run beside the alone scenarios ==="
+  cat "$units_log"
+  rm -rf "$units_log" "$units_tmp"
 fi
 exit "$status"
