@@ -7,6 +7,7 @@ import json
 import secrets
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -83,7 +84,33 @@ def assert_verify_names_a_stopped_service(info, inventory: Path, service: str) -
         assert f"{service} is not running" in result.stdout
         assert "test_service_hardening" not in result.stdout.split("short test summary")[-1]
     finally:
-        in_sandbox(info, f"systemctl start {service}")
+        start_again(info, service)
+
+
+def start_again(info, service: str) -> None:
+    """Start ``service`` after a test stopped it. A start that fails is told with its result
+    and journal, then tried once more after `systemctl reset-failed`: once in a CI run
+    (2026-12-05, systemd 257.13) a start right after verify failed "because of unavailable
+    resources", which 40 stops and starts and 4 with verify between did not repeat; the cause
+    is in the warning that the retry leaves, and a second failure fails the test with it."""
+    from llamarig_sandbox import sandbox
+
+    first = sandbox.ssh(info, f"systemctl start {service}", timeout=300)
+    if first.returncode == 0:
+        return
+    why = sandbox.ssh(
+        info,
+        f"systemctl show -p Result -p NRestarts {service}; "
+        f"journalctl -u {service} -n 25 --no-pager -o short-monotonic",
+        timeout=60,
+    ).stdout
+    second = sandbox.ssh(
+        info, f"systemctl reset-failed {service}; systemctl start {service}", timeout=300
+    )
+    assert second.returncode == 0, f"{service} did not start again: {second.stderr}\n{why}"
+    warnings.warn(
+        f"{service} started only at the second try: {first.stderr.strip()}\n{why}", stacklevel=2
+    )
 
 
 def speed_unmeasured(rig: dict) -> dict:
