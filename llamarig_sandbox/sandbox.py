@@ -32,6 +32,7 @@ import tarfile
 import tempfile
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -340,10 +341,26 @@ def _remove_tree(path: Path) -> None:
     _run(["rm", "-rf", "--one-file-system", str(path)], f"removing {path}")
 
 
-def _exclusive_lock():
-    """Serialise up/down/prepare so two invocations never build or remove the same things at
-    once."""
-    return held(SANDBOX_DIR / ".lock")
+def _lock(what: str):
+    """One lock per thing two `up`, `down` or `prepare` at once (the test tiers' two lanes and
+    `prepare` beside them) could build, remove or start twice: a sandbox by its name, a
+    release's base root and apt archive, the host services. Each is held only while its own
+    thing is touched, so one lane's boot or teardown never waits behind another's."""
+    return held(SANDBOX_DIR / "locks" / f"{what}.lock")
+
+
+def _sandbox_lock(name: str):
+    return _lock(f"sandbox-{name}")
+
+
+def _release_lock(release: str):
+    return _lock(f"release-{release}")
+
+
+def _services_lock():
+    """Starting or stopping the file server and git daemon, and a sandbox's supervisor: `down`
+    stops the services when no other sandbox is up or on its way up."""
+    return _lock("services")
 
 
 def _require_root() -> None:
@@ -370,6 +387,11 @@ def _check_release(release: str) -> None:
 
 def ensure_host_tools() -> None:
     """Install, with apt, the host packages whose commands are missing."""
+    with _lock("host-tools"):
+        _install_host_tools()
+
+
+def _install_host_tools() -> None:
     missing = sorted({pkg for cmd, pkg in HOST_COMMANDS.items() if shutil.which(cmd) is None})
     if not missing:
         return
@@ -389,6 +411,11 @@ def ensure_base_root(release: str) -> Path:
     It is built in `<release>.partial` and renamed when complete, so an interrupted build is
     started over rather than reused.
     """
+    with _release_lock(release):
+        return _build_base_root(release)
+
+
+def _build_base_root(release: str) -> Path:
     root = ROOTS_DIR / release
     if root.is_dir():
         return root
@@ -435,7 +462,9 @@ def _drop_dhcp_config(root: Path) -> None:
 
 def ensure_ssh_key() -> Path:
     """Generate the sandbox SSH client key pair once; return the private key's path."""
-    if not KEY_PATH.exists():
+    with _lock("ssh-key"):
+        if KEY_PATH.exists():
+            return KEY_PATH
         SANDBOX_DIR.mkdir(parents=True, exist_ok=True)
         _run(
             [
@@ -701,10 +730,12 @@ class ServedModels:
 def _served_models(http_port: int) -> ServedModels:
     """Both models in the served directory (and the llama.cpp mirror the test model's
     vocabulary comes from), with their URLs on the file server at ``http_port``."""
-    test_model_sha256 = ensure_test_model(ensure_llama_mirror())
+    with _lock("models"):
+        test_model_sha256 = ensure_test_model(ensure_llama_mirror())
+        model_sha256 = ensure_real_model()
     return ServedModels(
         model_url=model_url(http_port),
-        model_sha256=ensure_real_model(),
+        model_sha256=model_sha256,
         test_model_url=model_url(http_port, TEST_MODEL_NAME),
         test_model_sha256=test_model_sha256,
     )
@@ -737,7 +768,8 @@ def _prepare_working_root(name: str, release: str, base_root: Path, ssh_port: in
     for host_dir in (APT_ARCHIVES_DIR / release / "partial", CCACHE_DIR / release):
         host_dir.mkdir(parents=True, exist_ok=True)
     # Seeded from the release's shared archive; what it downloads goes back there on `down`.
-    _link_debs(APT_ARCHIVES_DIR / release, private_apt_archives(name))
+    with _release_lock(release):
+        _link_debs(APT_ARCHIVES_DIR / release, private_apt_archives(name))
     (private_apt_archives(name) / "partial").mkdir(exist_ok=True)
     return root
 
@@ -857,16 +889,18 @@ def prepare(releases: tuple[str, ...] = ("trixie",)) -> None:
     """Build what a sandbox boots from and is served, without booting one: the base roots of
     ``releases``, the SSH key, the llama.cpp mirror and both models. The slow part of a cold
     `up` (debootstrap, downloads) is network-bound, so the test tiers run this beside the unit
-    tests; a later `up` finds it all in place."""
+    tests; a later `up` finds it all in place. The roots and the models are made at once, each
+    under its own lock: a lane's first `up` waits only for its own release's root."""
     _require_root()
     for release in releases:
         _check_release(release)
-    with _exclusive_lock():
-        ensure_host_tools()
-        ensure_ssh_key()
-        _served_models(DEFAULT_HTTP_PORT)
-        for release in releases:
-            ensure_base_root(release)
+    ensure_host_tools()
+    ensure_ssh_key()
+    jobs = [lambda: _served_models(DEFAULT_HTTP_PORT)]
+    jobs += [lambda release=release: ensure_base_root(release) for release in releases]
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        for future in [pool.submit(job) for job in jobs]:
+            future.result()
 
 
 def up(
@@ -885,14 +919,15 @@ def up(
     _check_release(release)
     name = name or f"sandbox-{release}"
     _check_name(name)
-    with _exclusive_lock():
+    with _sandbox_lock(name):
         state = _load_state(name) if is_running(name) else None
         if state:
             # The models are the served ones now (a sandbox booted by an older llamarig
             # recorded others).
             state.update(asdict(_served_models(state["http_port"])))
-            ensure_file_server(state["http_port"])
-            ensure_git_daemon(state["git_port"])
+            with _services_lock():
+                ensure_file_server(state["http_port"])
+                ensure_git_daemon(state["git_port"])
             return _info_from_state(state)
         if _sandbox_pids(name):
             raise SandboxError(
@@ -929,9 +964,11 @@ def up(
         _paths(name)["state"].write_text(
             json.dumps({**asdict(info), "http_port": http_port, "git_port": git_port}, indent=2)
         )
-        ensure_file_server(http_port)
-        ensure_git_daemon(git_port)
-        supervisor = _start_supervisor(name, release, root)
+        # The supervisor's pid file is written before another `down` may look (see `down`).
+        with _services_lock():
+            ensure_file_server(http_port)
+            ensure_git_daemon(git_port)
+            supervisor = _start_supervisor(name, release, root)
         _wait_for_boot(info, supervisor)
         _say(f"{name} booted in {time.monotonic() - started:.0f} s")
         return info
@@ -945,17 +982,28 @@ def down(name: str) -> None:
     _require_root()
     _check_name(name)
     paths = _paths(name)
-    with _exclusive_lock():
+    with _sandbox_lock(name):
         _stop_sandbox_processes(name)
         release = (_load_state(name) or {}).get("release")
         if release:
-            _link_debs(private_apt_archives(name), APT_ARCHIVES_DIR / release)
+            with _release_lock(release):
+                _link_debs(private_apt_archives(name), APT_ARCHIVES_DIR / release)
         _remove_tree(paths["root"])
         paths["pid"].unlink(missing_ok=True)
         paths["log"].unlink(missing_ok=True)
         shutil.rmtree(SANDBOX_DIR / name, ignore_errors=True)
-        if not any(is_running(pid_file.stem) for pid_file in RUN_DIR.glob("*.pid")):
-            stop_services()
+        with _services_lock():
+            if not any(_up_or_booting(pid_file.stem) for pid_file in RUN_DIR.glob("*.pid")):
+                stop_services()
+
+
+def _up_or_booting(name: str) -> bool:
+    """Whether sandbox `name` runs, or its `up` has started its supervisor, which may not have
+    exec'd yet (its command line is still its parent's, so is_running cannot tell)."""
+    pid = _read_pid(_paths(name)["pid"])
+    return is_running(name) or (
+        pid is not None and _paths(name)["state"].exists() and Path(f"/proc/{pid}").exists()
+    )
 
 
 def _sandbox_pids(name: str) -> list[int]:

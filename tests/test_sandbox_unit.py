@@ -1,6 +1,7 @@
 """Fast tests of the sandbox rig's pieces: no root, no systemd-nspawn, no network."""
 
 import http.client
+import os
 import signal
 import subprocess
 import sys
@@ -278,6 +279,62 @@ def test_supervisor_passes_sigterm_on_and_stops():
     supervisor.send_signal(signal.SIGTERM)
     # Killed by the signal passed on (143), long before its `sleep 60` would end.
     assert supervisor.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+# --- locks ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sandbox_dirs(tmp_path, monkeypatch):
+    monkeypatch.setattr(sandbox, "SANDBOX_DIR", tmp_path / "sandbox")
+    monkeypatch.setattr(sandbox, "RUN_DIR", tmp_path / "run")
+    (tmp_path / "run").mkdir()
+    return tmp_path
+
+
+def test_one_sandbox_lock_does_not_hold_up_another_or_the_services(sandbox_dirs):
+    holding, release = threading.Event(), threading.Event()
+
+    def hold_a():
+        with sandbox._sandbox_lock("sandbox-a"):
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_a)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        entered = []
+
+        def take_others():
+            with sandbox._sandbox_lock("sandbox-b"), sandbox._services_lock():
+                with sandbox._release_lock("trixie"):
+                    entered.append(True)
+
+        other = threading.Thread(target=take_others)
+        other.start()
+        other.join(5)
+        assert entered == [True], "sandbox-b, the services or a release waited for sandbox-a"
+    finally:
+        release.set()
+        holder.join(10)
+
+
+def test_a_sandbox_whose_up_started_its_supervisor_keeps_the_services(sandbox_dirs):
+    # `up` writes the state, then the supervisor's pid file; until the supervisor execs, its
+    # command line is still its parent's (this process here), so is_running cannot tell.
+    paths = sandbox._paths("sandbox-b")
+    paths["state"].parent.mkdir(parents=True)
+    paths["pid"].write_text(f"{os.getpid()}\n")
+    assert not sandbox.is_running("sandbox-b")
+    assert not sandbox._up_or_booting("sandbox-b"), "a pid file alone is no sandbox on its way up"
+    paths["state"].write_text("{}")
+    assert sandbox._up_or_booting("sandbox-b")
+    # Once that process is gone (a sandbox that died without `down`), the services may stop.
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    paths["pid"].write_text(f"{gone.pid}\n")
+    assert not sandbox._up_or_booting("sandbox-b")
 
 
 # --- test model ----------------------------------------------------------------------------------
