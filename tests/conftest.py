@@ -107,7 +107,8 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.section("seconds per scenario (summed over workers)")
     for module, seconds in sorted(scenarios.items(), key=lambda pair: -pair[1]):
         terminalreporter.write_line(f"{seconds:8.0f}  {module}")
-    terminalreporter.write_line(f"{others:8.0f}  the unit and property tests")
+    if others:  # `make test-all` runs them in a pytest of their own, beside the `alone` phase
+        terminalreporter.write_line(f"{others:8.0f}  the unit and property tests")
 
 
 @pytest.fixture(scope="session")
