@@ -562,6 +562,11 @@ def _pin_master(repo: Path) -> None:
 
 def ensure_test_model(vocab: Path) -> str:
     """Write the test model into the served directory once; return its sha256."""
+    with held(DOWNLOADS_DIR / f".{TEST_MODEL_NAME}.lock"):
+        return _write_test_model(vocab)
+
+
+def _write_test_model(vocab: Path) -> str:
     model = WWW_DIR / TEST_MODEL_NAME
     checksum_file = WWW_DIR / f"{TEST_MODEL_NAME}.sha256"
     if model.is_file() and checksum_file.is_file():
@@ -730,12 +735,10 @@ class ServedModels:
 def _served_models(http_port: int) -> ServedModels:
     """Both models in the served directory (and the llama.cpp mirror the test model's
     vocabulary comes from), with their URLs on the file server at ``http_port``."""
-    with _lock("models"):
-        test_model_sha256 = ensure_test_model(ensure_llama_mirror())
-        model_sha256 = ensure_real_model()
+    test_model_sha256 = ensure_test_model(ensure_llama_mirror())
     return ServedModels(
         model_url=model_url(http_port),
-        model_sha256=model_sha256,
+        model_sha256=ensure_real_model(),
         test_model_url=model_url(http_port, TEST_MODEL_NAME),
         test_model_sha256=test_model_sha256,
     )
@@ -1000,9 +1003,10 @@ def down(name: str) -> None:
 def _up_or_booting(name: str) -> bool:
     """Whether sandbox `name` runs, or its `up` has started its supervisor, which may not have
     exec'd yet (its command line is still its parent's, so is_running cannot tell)."""
-    pid = _read_pid(_paths(name)["pid"])
+    paths = _paths(name)
+    pid = _read_pid(paths["pid"])
     return is_running(name) or (
-        pid is not None and _paths(name)["state"].exists() and Path(f"/proc/{pid}").exists()
+        pid is not None and paths["state"].exists() and Path(f"/proc/{pid}").exists()
     )
 
 
