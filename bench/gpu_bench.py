@@ -128,17 +128,48 @@ def deploy(inventory: Path, log_name: str) -> dict:
 
 
 def derived_inventory(base: Path, name: str, overrides: dict) -> Path:
-    """A copy of a rig file with some host keys replaced (same host, another model)."""
+    """A copy of a rig file with some host keys replaced (same host, another model): a mapping
+    updates the section's keys, anything else (the `gpus` list) replaces the section."""
     text = yaml.safe_load(base.read_text())
     hosts = text["all"]["children"]["gpu"]["hosts"]
     ((host_name, host),) = hosts.items()
     merged = copy.deepcopy(host)
     for section, values in overrides.items():
-        merged.setdefault(section, {}).update(values)
+        if isinstance(values, dict):
+            merged.setdefault(section, {}).update(values)
+        else:
+            merged[section] = values
     hosts[host_name] = merged
     path = WORK / f"{name}.yml"
     path.write_text(yaml.safe_dump(text, sort_keys=False))
     return path
+
+
+# Peak memory bandwidth (GB/s, NVIDIA's data sheets) of the cards the device machines lend. A
+# decoded token reads every weight once, so a speed floor set for one card scales by this.
+CARD_BANDWIDTH_GBS = {"NVIDIA H200": 4800, "NVIDIA H100 80GB HBM3": 3350}
+
+
+def this_card_rig(shipped: dict) -> dict:
+    """Overrides that make the one-GPU rig ``shipped`` (a host's data as written) this machine's:
+    its GPU 0 as nvidia-smi names it, the CUDA architecture of its compute capability, and
+    the decode floor scaled from the shipped card's by memory bandwidth (dropped, so verify
+    says it did not check the speed, for a card whose bandwidth is not listed here)."""
+    query = "--query-gpu=name,memory.total,compute_cap"
+    line = subprocess.check_output(
+        ["nvidia-smi", query, "--format=csv,noheader,nounits", "-i", "0"], text=True
+    )
+    name, vram_mib, capability = (field.strip() for field in line.split(","))
+    (card,) = shipped["gpus"]
+    floor = shipped.get("expect", {}).get("min_tokens_per_second")
+    if name != card["name"] and floor is not None:
+        ratio = CARD_BANDWIDTH_GBS.get(name, 0) / CARD_BANDWIDTH_GBS[card["name"]]
+        floor = int(floor * ratio) or None
+    return {
+        "gpus": [{"name": name, "vram_mib": int(vram_mib), "compute_capability": capability}],
+        "llama_cpp": {"cuda_architectures": capability.replace(".", "") + "-real"},
+        "expect": {"min_tokens_per_second": floor},
+    }
 
 
 def host_data(inventory: Path) -> dict:

@@ -224,8 +224,9 @@ def prepare() -> dict:
     if not API_KEY_FILE.exists():
         API_KEY_FILE.write_text(secrets.token_hex(32) + "\n")
         API_KEY_FILE.chmod(0o600)
-    api_key_rig = {"server": {"api_key_file": str(API_KEY_FILE)}}
-    bench.derived_inventory(SHIPPED_RIG, HOST_NAME, api_key_rig)  # writes RIG
+    overrides = bench.this_card_rig(host_yaml)  # the lease may lend an H100
+    overrides["server"] = {"api_key_file": str(API_KEY_FILE)}
+    bench.derived_inventory(SHIPPED_RIG, HOST_NAME, overrides)  # writes RIG
     model_written = bench.write_model_beside("llama-8b", MODEL)
     start = time.monotonic()
     if not BOX.unpacked():

@@ -1,5 +1,9 @@
 """GPU acceptance on one H200: the real deploy over SSH into a systemd host with a real GPU.
 
+The rig is inventory/gpu-h200-systemd.yml with the machine's own card written in (name, memory,
+architecture, the decode floor scaled by memory bandwidth: bench.gpu_bench.this_card_rig), so a
+lease that lends an H100 runs the same tests.
+
 The GPU machine has no systemd of its own, so the tests boot one (llamarig_sandbox.systemdroot,
 GUIDE §8): a Debian trixie root with systemd as PID 1 of a container, the driver, the CUDA
 toolkit, the model and the llama.cpp mirror bound in, sshd on a loopback port with a host key
@@ -81,8 +85,10 @@ def box() -> SystemdRoot:
         API_KEY_FILE.parent.mkdir(parents=True, exist_ok=True)
         API_KEY_FILE.write_text(secrets.token_hex(32) + "\n")
         API_KEY_FILE.chmod(0o600)
-    api_key_rig = {"server": {"api_key_file": str(API_KEY_FILE)}}
-    bench.derived_inventory(SHIPPED_RIG, HOST_NAME, api_key_rig)
+    shipped = yaml.safe_load(SHIPPED_RIG.read_text())["all"]["children"]["gpu"]["hosts"]
+    overrides = bench.this_card_rig(shipped[HOST_NAME])
+    overrides["server"] = {"api_key_file": str(API_KEY_FILE)}
+    bench.derived_inventory(SHIPPED_RIG, HOST_NAME, overrides)
     model_written = bench.write_model_beside("llama-8b", MODEL)
     root = SystemdRoot(ROOT_DIR, HOST_NAME, bench.host_data(rig())["ssh"], (bench.MODELS, MIRROR))
     if not root.unpacked():
@@ -97,6 +103,11 @@ def box() -> SystemdRoot:
 
 def rig() -> Path:
     return bench.WORK / f"{HOST_NAME}.yml"
+
+
+def card() -> str:
+    """The machine's GPU as the rig names it (nvidia-smi's name: the lease may lend an H100)."""
+    return bench.host_data(rig())["gpus"][0]["name"]
 
 
 def deploy(inventory: Path, log_name: str) -> tuple[int, list[str], str]:
@@ -228,7 +239,7 @@ def test_a_unit_with_its_device_filter_runs_nvidia_smi_and_reads_no_other_device
         return box.run(f"{shlex.join([*run, 'sh', '-c', command])} < /dev/null", check_rc=False)
 
     smi = transient(["-p", "DynamicUser=yes", *properties], "nvidia-smi -L")
-    assert smi.returncode == 0 and "H200" in smi.stdout, (smi.stdout, smi.stderr)
+    assert smi.returncode == 0 and card() in smi.stdout, (smi.stdout, smi.stderr)
     read = f"head -c 64 {OTHER_DEVICE} | wc -c"
     refused, control = transient(properties, read), transient([], read)
     assert refused.stdout.strip() == "0" and "not permitted" in refused.stderr, refused.stderr
@@ -397,7 +408,7 @@ def test_a_router_serves_two_models_by_name_within_the_planned_memory(box):
     ).stdout.strip())  # fmt: skip
     lines = plan_lines(inventory)
     at_once = lines.index(next(line for line in lines if "loaded at once" in line))
-    row = next(line.split() for line in lines[at_once:] if line.strip().startswith("NVIDIA H200"))
+    row = next(line.split() for line in lines[at_once:] if line.strip().startswith(card()))
     planned, need = int(row[-4]), int(row[-3])
     print(f"both loaded: nvidia-smi {used} MiB, planned {planned} MiB, with the margin {need}")
     (LOGS / "router-memory.txt").write_text(f"used {used}\nplanned {planned}\nneed {need}\n")
