@@ -137,7 +137,8 @@ def test_a_worker_restart_drains_its_head_then_restarts_it(head, worker, tmp_pat
     for count in (1, 3, 9):
         sandboxes.converge(INVENTORY)  # the worker back at its default threads
         clients, slots = streaming_completions(head, count)
-        assert any(slot["is_processing"] for slot in slots), slots
+        ended = [client.communicate()[0][-1000:] for client in clients if client.poll() is not None]
+        assert any(slot["is_processing"] for slot in slots), (count, slots, ended)
         worker_pid = in_sandbox(worker, "systemctl show -P MainPID ggml-rpc-server")
         head_pid = in_sandbox(head, "systemctl show -P MainPID llama-server")
         result = deploy(changed, "--limit", "rpc-worker")
