@@ -26,26 +26,33 @@ if [ "$(id -u)" = 0 ]; then
 fi
 status=0
 "$bin/pytest" "${selection[@]}" -n 2 --dist loadgroup --no-loadscope-reorder -rs \
-  --durations=30 || status=$?
+  --durations=0 --durations-min=5 || status=$?
 if [ -n "$prepared" ] && ! wait "$prepared"; then
   echo "llamarig sandbox prepare failed (the scenarios retried it and said why):"
   tail -n 5 "$prepare_log"
 fi
 # The scenarios whose verdicts rest on speeds measured here run last, without a lane beside them:
 # a build in the other lane slows a decode up to 20-fold, more than any slowdown they must tell
-# apart. The unit tests run meanwhile on CPU 0 alone (their own temporary directory; their
-# output follows the scenarios').
+# apart. The unit tests run meanwhile on CPU 0 alone, on two workers that share it (their own
+# temporary directory; their output follows the scenarios'); once the scenarios are done, the
+# workers are given every CPU for the rest.
 if [ "$tier" = all ]; then
   pinned=()
   if [ "$(nproc)" -ge 2 ] && command -v taskset >/dev/null; then pinned=(taskset -c 0); fi
   units_log=$(mktemp) units_tmp=$(mktemp -d)
-  "${pinned[@]}" "$bin/pytest" -m "not sandbox" -rs --durations=10 -p no:cacheprovider \
-    --basetemp "$units_tmp" >"$units_log" 2>&1 &
+  workers=()
+  if [ ${#pinned[@]} != 0 ]; then workers=(-n 2); fi
+  "${pinned[@]}" "$bin/pytest" -m "not sandbox" "${workers[@]}" -rs --durations=10 \
+    -p no:cacheprovider --basetemp "$units_tmp" >"$units_log" 2>&1 &
   units=$!
   if [ ${#pinned[@]} = 0 ]; then wait "$units" || status=$?; fi  # one CPU: one after the other
   "$bin/pytest" -m "alone and not soak" -rs --durations=10 || status=$?
-  if [ ${#pinned[@]} != 0 ]; then wait "$units" || status=$?; fi
-  echo "=== the unit and property tests (${pinned[*]:-not pinned}), run beside the alone scenarios ==="
+  if [ ${#pinned[@]} != 0 ]; then
+    for pid in "$units" $(pgrep -P "$units"); do taskset -a -p -c "0-$(($(nproc) - 1))" "$pid"; done \
+      >/dev/null 2>&1
+    wait "$units" || status=$?
+  fi
+  echo "=== the unit and property tests (${pinned[*]:-not pinned}${pinned[*]:+, then every CPU}), run beside the alone scenarios ==="
   cat "$units_log"
   rm -rf "$units_log" "$units_tmp"
 fi

@@ -37,10 +37,13 @@ NAME, SSH_PORT, SERVER_PORT = "sandbox-tune", 2232, 8098
 SERVICE = "llama-server"
 
 
-def inventory(directory: Path) -> Path:
-    """The sandbox rig of inventory/hosts.yml on this module's sandbox, built with llama-bench."""
+def inventory(directory: Path, info) -> Path:
+    """The sandbox rig of inventory/hosts.yml on this module's sandbox, built with llama-bench,
+    serving the random-weight test model (``info``'s; no answer to check)."""
 
     def edit(rig: dict) -> None:
+        rig["model"] = {"url": info.test_model_url, "sha256": info.test_model_sha256}
+        del rig["expect"]  # random weights answer nothing
         # No slowdown guard: on the shared 2-core machine one start decodes up to 20% slower
         # than the one before with the same settings, which would roll the tuned deploy back;
         # this test is about the tuned file reaching the unit (test_sandbox_slowdown has it).
@@ -61,7 +64,7 @@ def inventory(directory: Path) -> Path:
 def rig(tmp_path_factory):
     sandbox = fresh_sandbox(NAME, "trixie", SSH_PORT)
     info = next(sandbox)
-    yield info, inventory(tmp_path_factory.mktemp("tune"))
+    yield info, inventory(tmp_path_factory.mktemp("tune"), info)
     next(sandbox, None)  # takes the sandbox down
 
 
