@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from llamarig import CACHE_DIR
+from tests import sandboxes
 from tests.sandboxes import (
     changed_operations,
     converge,
@@ -125,6 +126,7 @@ def standin_rig(tmp_path_factory):
             nvidia_repo={"url": STANDIN_URL, "allow_insecure": True},
         )
         rig["server"]["port"] = 8083
+        sandboxes.speed_unmeasured(rig)  # this scenario is about the repository
 
     inventory = demo_rig_inventory(
         tmp_path_factory.mktemp("inventory") / "standin.yml", NAME, 2225, edit
