@@ -26,7 +26,7 @@ import yaml
 
 from tests import sandboxes
 from tests.conftest import PROJECT, pyinfra_env
-from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
+from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox, random_model
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow]
 
@@ -51,10 +51,6 @@ def variant(tmp_path: Path, name: str, **changes) -> Path:
     path = tmp_path / f"{name}.yml"
     path.write_text(yaml.safe_dump(document))
     return path
-
-
-def random_model(info) -> dict:
-    return {"url": info.test_model_url, "sha256": info.test_model_sha256}
 
 
 def chat_answer(question: str = QUESTION) -> str:

@@ -60,8 +60,7 @@ def inventory(
             smollm2["server"]["sampling"] = {"top_k": smollm2_top_k}
         tiny = {
             "name": "tiny-random",
-            "url": info.test_model_url,
-            "sha256": info.test_model_sha256,
+            **sandboxes.random_model(info),
             # Its own default sampling, in its preset section.
             "server": {"ctx": 1024, "parallel": 1, "sampling": {"temperature": 0.5, "top_k": 10}},
         }

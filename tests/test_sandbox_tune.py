@@ -42,8 +42,7 @@ def inventory(directory: Path, info) -> Path:
     serving the random-weight test model (``info``'s; no answer to check)."""
 
     def edit(rig: dict) -> None:
-        rig["model"] = {"url": info.test_model_url, "sha256": info.test_model_sha256}
-        del rig["expect"]  # random weights answer nothing
+        sandboxes.serving_the_random_model(rig, info)
         # No slowdown guard: on the shared 2-core machine one start decodes up to 20% slower
         # than the one before with the same settings, which would roll the tuned deploy back;
         # this test is about the tuned file reaching the unit (test_sandbox_slowdown has it).
