@@ -11,8 +11,13 @@ from typing import Any
 
 from pyinfra.api import FactBase
 
-from llamarig import checksums
-from llamarig.hostpaths import APT_UPDATE_STAMP, BUILD_COMPLETE_MARKER, CURL_AUTH
+from llamarig import checksums, driver_build
+from llamarig.hostpaths import (
+    APT_UPDATE_STAMP,
+    BUILD_COMPLETE_MARKER,
+    CURL_AUTH,
+    DRIVER_BUILD_FAILURE_PATH,
+)
 from llamarig.httpbounds import HttpTimeouts
 
 # A reader answers a pyinfra fact for the host: ``reader(FactClass, **arguments)``, as
@@ -559,6 +564,28 @@ class NvidiaModule(FactBase):
         lines = [line.strip() for line in output]
         signer = next((line[7:] for line in lines if line.startswith("signer=")), "")
         return {"present": "present" in lines, "signer": signer, "loaded": "loaded" in lines}
+
+
+class DriverBuildFailure(FactBase):
+    """The NVIDIA driver's DKMS build that failed on an earlier deploy (driver_build.py), None
+    where none is recorded.
+
+    .. code:: python
+
+        BuildFailure(package="nvidia-open-kernel-dkms", version="550.163.01-2",
+                     kernel="6.12.57+deb13-amd64", kernels="6.12.57+deb13-amd64",
+                     error="nv-pci.c:212:14: error: too few arguments to function ...")
+    """
+
+    def default(self):
+        # pyinfra gives the default, not process(), when the command prints nothing.
+        return None
+
+    def command(self) -> str:
+        return f"cat {DRIVER_BUILD_FAILURE_PATH} 2>/dev/null; true"
+
+    def process(self, output):
+        return driver_build.parse_record(output)
 
 
 class AptCandidates(FactBase):

@@ -30,6 +30,11 @@ CHECKSUM_RECORDS = f"{STATE_DIRECTORY}/checksums"
 DEPLOY_RECORD_PATH = f"{STATE_DIRECTORY}/last-deploy.json"
 ROLLED_BACK_PATH = f"{STATE_DIRECTORY}/rolled-back"
 
+# The driver packages' installation log, and the DKMS build of theirs that failed, for which
+# version and kernel (driver_build.py).
+DRIVER_INSTALL_LOG = "/var/log/llamarig-driver-install.log"
+DRIVER_BUILD_FAILURE_PATH = f"{STATE_DIRECTORY}/driver-build-failed"
+
 # A build directory holds this file once its build completed.
 BUILD_COMPLETE_MARKER = ".llamarig-build.json"
 # Where a detached job keeps its pid, log and exit status: beside the file it makes, or in

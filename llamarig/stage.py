@@ -23,6 +23,7 @@ from llamarig.factcache import known, prefetch
 from llamarig.facts import (
     AptListsAge,
     BuildDirectories,
+    DriverBuildFailure,
     FileIdentity,
     FileState,
     FirmwareBoot,
@@ -44,6 +45,7 @@ from llamarig.model.reference import HubError
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools
 from llamarig.plan import HostPlan
 from llamarig.remote import plan_for
+from llamarig.secureboot import DKMS_SOURCES
 
 _rigs: dict[str, dict] = {}
 _plans: dict[str, HostPlan] = {}
@@ -106,6 +108,8 @@ def read_system() -> None:
         (NvidiaPciDevices, {}),
         (NvidiaSmiGpus, {}),
     ]
+    if data["driver"]["source"] in DKMS_SOURCES:
+        requests.append((DriverBuildFailure, {}))
     if data["llama_cpp"]["backend"] == "cuda":
         requests.append((MeasuredOverheads, {"path": hostpaths.OVERHEADS_DIR}))
         if data["role"] != "rpc-worker":

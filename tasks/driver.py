@@ -9,18 +9,19 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.facts.server import KernelVersion, LinuxDistribution
 from pyinfra.operations import files, python, server
 
-from llamarig import operations, secureboot, stage
+from llamarig import driver_build, operations, packages, secureboot, stage
 from llamarig.factcache import known
 from llamarig.facts import (
     AptCandidates,
     DkmsSigning,
+    DriverBuildFailure,
     FirmwareBoot,
     MokKeyState,
     NvidiaModule,
     NvidiaSmiGpus,
+    PackageVersions,
 )
 from llamarig.hardware import check_versions, chosen_versions
-from llamarig.packages import driver_packages, prebuilt_module_packages
 from llamarig.platform import is_debian
 
 
@@ -46,7 +47,7 @@ def secure_boot_decision(rig: dict) -> secureboot.Decision:
         return secureboot.Decision("unchanged")
     debian = is_debian(known(LinuxDistribution))
     kernel = known(KernelVersion)
-    prebuilt = prebuilt_module_packages(driver["branch"], kernel, driver["open"])
+    prebuilt = packages.prebuilt_module_packages(driver["branch"], kernel, driver["open"])
     candidates = (
         known(AptCandidates, packages=prebuilt.packages)
         if not debian and driver["source"] == "distro" and prebuilt.packages
@@ -63,6 +64,34 @@ def secure_boot_decision(rig: dict) -> secureboot.Decision:
         signing=dkms_signing(),
         apt_candidates=candidates,
     )
+
+
+def built_packages(driver: dict) -> packages.DriverPackages:
+    """The packages of the driver's DKMS build from ``driver.source``."""
+    return packages.driver_packages(
+        driver["source"],
+        open_modules=driver["open"],
+        branch=driver["branch"],
+        debian=is_debian(known(LinuxDistribution)),
+        kernel=known(KernelVersion),
+    )
+
+
+def known_build_failure(rig: dict, decision: secureboot.Decision) -> str | None:
+    """Why the driver's DKMS build is not tried again: it failed on an earlier deploy for the
+    package version apt would install now and the running kernel (None: nothing recorded, a
+    prebuilt module, or a version or kernel that changed since)."""
+    driver = rig["driver"]
+    failure = known(DriverBuildFailure)
+    if failure is None or driver["source"] not in secureboot.DKMS_SOURCES:
+        return None
+    if decision.action == "prebuilt":
+        return None
+    package = built_packages(driver).dkms_package
+    if package is None or known(PackageVersions, packages=[package]).get(package) is not None:
+        return None  # installed since: nothing is built again
+    candidate = known(AptCandidates, packages=[package]).get(package)
+    return driver_build.refusal(failure, package, candidate, known(KernelVersion))
 
 
 def loaded_module_problems(rig: dict) -> list[str]:
@@ -162,13 +191,7 @@ def deploy() -> list[OperationMeta]:
         wanted = decision.packages
         how = "Canonical-signed prebuilt modules"
     else:
-        wanted = driver_packages(
-            driver["source"],
-            open_modules=driver["open"],
-            branch=driver["branch"],
-            debian=is_debian(known(LinuxDistribution)),
-            kernel=known(KernelVersion),
-        )
+        wanted = built_packages(driver)
         how = driver["source"]
     if decision.action == "sign":
         sign_with_machine_owner_key()

@@ -58,6 +58,9 @@ def deploy() -> None:
     decision = driver.secure_boot_decision(rig)
     if decision.action == "stop":
         stage.refuse(decision.steps)
+    build_failure = driver.known_build_failure(rig, decision)
+    if build_failure:
+        stage.refuse([build_failure])
     module_problems = driver.loaded_module_problems(rig)
     if module_problems:
         stage.refuse(module_problems)

@@ -13,7 +13,12 @@ from pyinfra.facts.apt import noninteractive_apt
 
 from llamarig.factcache import known
 from llamarig.facts import AptListsAge, PackageVersions
-from llamarig.hostpaths import APT_UPDATE_STAMP
+from llamarig.hostpaths import (
+    APT_UPDATE_STAMP,
+    DRIVER_BUILD_FAILURE_PATH,
+    DRIVER_INSTALL_LOG,
+    STATE_DIRECTORY,
+)
 
 
 @operation()
@@ -42,24 +47,39 @@ def driver_packages(packages: list[str], dkms_package: str | None = None):
     names = " ".join(shlex.quote(package) for package in packages)
     dkms = shlex.quote(dkms_package or "")
     dkms_name = shlex.quote(dkms_package or "the driver")
+    record = shlex.quote(DRIVER_BUILD_FAILURE_PATH)
+    # The record names a DKMS build that failed (a make.log written by this install, with a
+    # compiler error), never a download or dpkg failure: the next deploy refuses that build.
     yield f"""
 export DEBIAN_FRONTEND=noninteractive
-log=/var/log/llamarig-driver-install.log
+log={shlex.quote(DRIVER_INSTALL_LOG)}
+started=$(mktemp)
 if ! apt-get install -y --no-install-recommends {names} > $log 2>&1; then
-  make_log=$(ls -t /var/lib/dkms/*/*/build/make.log 2>/dev/null | head -1)
+  make_log=$(find /var/lib/dkms -path '*/build/make.log' -newer "$started" 2>/dev/null | head -1)
   kernels=$(ls -d /lib/modules/*/build 2>/dev/null | cut -d/ -f4 | paste -sd' ')
-  error=$(grep -m1 -E 'error:' "$make_log" 2>/dev/null || grep -m1 -iE 'error' $log)
+  build_error=$(grep -m1 -E 'error:' "$make_log" 2>/dev/null)
+  error=${{build_error:-$(grep -m1 -iE 'error' $log)}}
   version=$(dpkg-query -W -f='${{Version}}' {dkms} 2>/dev/null)
   # Remove what could not be configured, so apt and dpkg stay usable.
   apt-get purge -y {names} >> $log 2>&1 || true
   dpkg --configure -a >> $log 2>&1; apt-get -f install -y >> $log 2>&1
+  remembered=""
+  if [ -n "$build_error" ] && [ -n "$version" ] && [ -n {dkms} ]; then
+    mkdir -p {shlex.quote(STATE_DIRECTORY)}
+    printf '%s\\n' package={dkms} "version=$version" "kernel=$(uname -r)" \\
+      "kernels=$kernels" "error=$build_error" > {record}
+    remembered=" The next deploy refuses this build before installing anything until the \\
+package's version or the running kernel changes (remove {record} to try it again)."
+  fi
+  rm -f "$started"
   printf 'llamarig: the NVIDIA driver did not install: %s ' {dkms_name} >&2
-  echo "$version" \
-    "failed to build its kernel module for kernel(s) $kernels: $error." \
-    "The driver packages were removed again (apt and dpkg are consistent; full log: $log)." \
-    "Use driver.source nvidia-repo, or a kernel this packaged driver supports." >&2
+  echo "$version" \\
+    "failed to build its kernel module for kernel(s) $kernels: $error." \\
+    "The driver packages were removed again (apt and dpkg are consistent; full log: $log)." \\
+    "Use driver.source nvidia-repo, or a kernel this packaged driver supports.$remembered" >&2
   exit 1
 fi
+rm -f "$started" {record}
 """.strip()
 
 
