@@ -144,16 +144,35 @@ def _printable(value: Any) -> Any:
     return value
 
 
-# A schema-valid host, drawn section by section: the top level only requires its sections and
-# allows no others, so a mapping of valid sections is a valid instance, and hypothesis-jsonschema
-# builds the strategy of each section once instead of on every draw.
+# The keywords of a closed mapping that `_schema_valid` draws itself, key by key.
+CLOSED_MAPPING_KEYWORDS = {
+    "type", "properties", "required", "additionalProperties", "description", "title",
+    "$schema", "$id", "$defs",
+}  # fmt: skip
+
+
+def _schema_valid(node: dict, definitions: dict) -> st.SearchStrategy:
+    """Instances of ``node``: a closed mapping (its properties named, no others allowed) is a
+    mapping of valid properties, drawn key by key; anything else is hypothesis-jsonschema's.
+    hypothesis-jsonschema rebuilds a mapping's strategies on every draw, a fixed dictionary
+    builds them once (the property: 51 s before, 32 s after, 2026-12-06)."""
+    if (
+        node.get("type") == "object"
+        and node.get("additionalProperties") is False
+        and "properties" in node
+        and set(node) <= CLOSED_MAPPING_KEYWORDS
+    ):
+        required = set(node.get("required", ()))
+        drawn = {key: _schema_valid(sub, definitions) for key, sub in node["properties"].items()}
+        return st.fixed_dictionaries(
+            {key: value for key, value in drawn.items() if key in required},
+            optional={key: value for key, value in drawn.items() if key not in required},
+        )
+    return from_schema({**node, "$defs": definitions})
+
+
 GENERATION_SCHEMA = _bounded(schema())
-VALID_INSTANCES = st.fixed_dictionaries(
-    {
-        key: from_schema({**section, "$defs": GENERATION_SCHEMA["$defs"]})
-        for key, section in GENERATION_SCHEMA["properties"].items()
-    }
-)
+VALID_INSTANCES = _schema_valid(GENERATION_SCHEMA, GENERATION_SCHEMA["$defs"])
 
 
 @PROPERTY

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
+from llamarig import remote
 from llamarig.config import load_inventory
 from llamarig.httpbounds import HttpTimeouts
 from llamarig.remote import SshTarget
@@ -24,7 +25,18 @@ def test_ssh_config_checks_host_keys():
     assert "IdentityFile /k" in text and "BatchMode yes" in text
 
 
-def test_expectations_carry_the_planned_data(file_server, tmp_path):
+@pytest.fixture
+def unreachable_host(monkeypatch):
+    """The seed rig's host (a documentation address) as ssh finds it, unreachable: every fact
+    its default, without dialling the address (3 s a fact, and a packet off loopback)."""
+
+    def reader(data):
+        return lambda fact_class, **arguments: fact_class().default()
+
+    monkeypatch.setattr(remote, "shell_reader", reader)
+
+
+def test_expectations_carry_the_planned_data(file_server, tmp_path, unreachable_host):
     """The seed rig, its model URL pointed at a loopback server holding a header of the same
     shape (the real one is on Hugging Face, and the host at a documentation address)."""
     www, url = file_server
@@ -48,7 +60,9 @@ def test_expectations_carry_the_planned_data(file_server, tmp_path):
     assert expected["checksum_records"] == "/var/lib/llamarig/checksums"
 
 
-def test_a_router_expects_each_model_memory_on_the_gpus_it_plans(file_server, tmp_path):
+def test_a_router_expects_each_model_memory_on_the_gpus_it_plans(
+    file_server, tmp_path, unreachable_host
+):
     """The seed rig serving its model under two names (models_max 1: one loaded at a time):
     verify expects each model's own MiB per GPU, by nvidia-smi's index."""
     www, url = file_server
