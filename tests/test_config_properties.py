@@ -144,16 +144,18 @@ def _printable(value: Any) -> Any:
     return value
 
 
-# The keywords of a closed mapping that `_schema_valid` draws itself, key by key.
+# The keywords of a closed mapping and of a list that `_schema_valid` draws itself.
 CLOSED_MAPPING_KEYWORDS = {
     "type", "properties", "required", "additionalProperties", "description", "title",
     "$schema", "$id", "$defs",
 }  # fmt: skip
+LIST_KEYWORDS = {"type", "items", "minItems", "maxItems", "description"}
 
 
 def _schema_valid(node: dict, definitions: dict) -> st.SearchStrategy:
     """Instances of ``node``: a closed mapping (its properties named, no others allowed) is a
-    mapping of valid properties, drawn key by key; anything else is hypothesis-jsonschema's.
+    mapping of valid properties, drawn key by key, and a list one of valid items; anything
+    else is hypothesis-jsonschema's.
     hypothesis-jsonschema rebuilds a mapping's strategies on every draw, a fixed dictionary
     builds them once (the property: 51 s before, 32 s after, 2026-12-06)."""
     if (
@@ -168,6 +170,13 @@ def _schema_valid(node: dict, definitions: dict) -> st.SearchStrategy:
             {key: value for key, value in drawn.items() if key in required},
             optional={key: value for key, value in drawn.items() if key not in required},
         )
+    if node.get("type") == "array" and isinstance(node.get("items"), dict):
+        if set(node) <= LIST_KEYWORDS:
+            return st.lists(
+                _schema_valid(node["items"], definitions),
+                min_size=node.get("minItems", 0),
+                max_size=node.get("maxItems"),
+            )
     return from_schema({**node, "$defs": definitions})
 
 
