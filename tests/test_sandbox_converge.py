@@ -17,6 +17,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -297,7 +298,12 @@ def test_a_noop_converge_with_every_slot_busy_sends_no_completion(sandbox_info, 
             assert changed_operations(results) == []
             assert "serving: 2 of 2 slots busy (no probe completion sent" in output, output[-4000:]
     print(f"no-op converge {noop_seconds} s, bare exec {bare_seconds} s")
-    assert min(noop_seconds) <= 2 * min(bare_seconds), (noop_seconds, bare_seconds)
+    # Each no-op against the bare exec just before it, the median of the five: one lucky bare
+    # exec does not decide (the least of each, compared, failed a cold CI run beside the other
+    # lane's first build: 2.14 against 2 x 1.03 s, where the others took 1.3-2.3 s; the median
+    # ratio was 1.55).
+    ratios = [noop / bare for noop, bare in zip(noop_seconds, bare_seconds, strict=True)]
+    assert statistics.median(ratios) <= 2, (noop_seconds, bare_seconds)
 
 
 def bare_exec(inventory: Path = INVENTORY) -> subprocess.CompletedProcess:
