@@ -1,5 +1,6 @@
-"""Tests reach only loopback: a guard over Python's socket layer, installed for every test by
-conftest.py (subprocesses run in a network namespace of their own instead: conftest.offline).
+"""Tests reach only loopback: a guard over Python's socket layer and over the OpenSSH client's
+command lines, installed for every test by conftest.py (other subprocesses that need a network
+run in a namespace of their own instead: conftest.offline).
 
 A socket that would connect or send to an address outside loopback, and a name lookup that
 would ask DNS, is refused with OSError and recorded; the test fails on the record even when the
@@ -8,7 +9,11 @@ code under test catches the error (load_header turns a failed fetch into a note,
 from __future__ import annotations
 
 import ipaddress
+import os
+import shutil
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -39,8 +44,26 @@ def _is_ip(host: Any) -> bool:
     return True
 
 
+def ssh_destination(argv: list[str]) -> str | None:
+    """The host of an ``ssh [options] -- [user@]host [command]`` command line (SshTarget's
+    shape), None for any other and for ``ssh -G`` (it prints its configuration, connecting
+    nowhere)."""
+    if "--" not in argv or argv.index("--") + 1 >= len(argv):
+        return None
+    if "-G" in argv[: argv.index("--")]:
+        return None
+    return argv[argv.index("--") + 1].rpartition("@")[2]
+
+
+# The OpenSSH client of this machine (a test's stand-in `ssh` first on PATH is not it).
+OPENSSH = shutil.which("ssh", path=os.defpath)
+
+
 class NetworkGuard:
-    """Wraps socket.socket's connect/connect_ex/sendto/sendmsg and socket.getaddrinfo."""
+    """Wraps socket.socket's connect/connect_ex/sendto/sendmsg and socket.getaddrinfo, and the
+    start of an OpenSSH client bound for another machine: a documentation address in a test's
+    inventory is dialled for real by ssh, out of the socket layer's sight (two verify unit
+    tests did, 3 s an attempt, until 2026-12-06)."""
 
     def __init__(self) -> None:
         self.violations: list[str] = []
@@ -79,3 +102,30 @@ class NetworkGuard:
             return lookup(host, *args, **kwargs)
 
         monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+        start = subprocess.Popen.__init__
+
+        def popen(process, args, *more, **options):
+            destination = self._ssh_elsewhere(args, options.get("env"))
+            if destination is not None:
+                guard.violations.append(f"ssh to {destination}")
+                # ssh's own exit status for a host it cannot reach, without dialling it.
+                message = f"test network guard: ssh to {destination} (tests reach only loopback)"
+                exit_255 = f"import sys; sys.stderr.write({message!r}); sys.exit(255)"
+                args = [sys.executable, "-c", exit_255]
+            start(process, args, *more, **options)
+
+        monkeypatch.setattr(subprocess.Popen, "__init__", popen)
+
+    @staticmethod
+    def _ssh_elsewhere(args: Any, env: dict | None) -> str | None:
+        """The destination outside loopback of an OpenSSH command line, else None."""
+        if not isinstance(args, (list, tuple)) or not args or OPENSSH is None:
+            return None
+        argv = [str(arg) for arg in args]
+        if os.path.basename(argv[0]) != "ssh":
+            return None
+        program = shutil.which(argv[0], path=(env or os.environ).get("PATH"))
+        if program is None or os.path.realpath(program) != os.path.realpath(OPENSSH):
+            return None
+        destination = ssh_destination(argv)
+        return destination if destination and not is_loopback(destination) else None

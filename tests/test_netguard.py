@@ -14,7 +14,7 @@ import pytest
 
 from llamarig.model.header import load_header
 from tests.conftest import offline
-from tests.netguard import NetworkGuard, is_loopback
+from tests.netguard import NetworkGuard, is_loopback, ssh_destination
 
 
 def test_loopback_is_told_from_the_rest():
@@ -88,3 +88,38 @@ def test_offline_commands_cannot_reach_another_machine():
     errno, interfaces = result.stdout.splitlines()
     assert int(errno) == 101  # ENETUNREACH: no route, at once
     assert interfaces == "['lo']"
+
+
+def test_ssh_to_another_machine_is_refused_and_recorded(network_guard, tmp_path, monkeypatch):
+    """The OpenSSH client bound for a documentation address fails as an unreachable host does,
+    without dialling it; one bound for loopback runs; a stand-in `ssh` first on PATH runs."""
+    from llamarig.remote import SshTarget
+
+    result = SshTarget.of({"host": "192.0.2.10", "port": 22}).run("true", timeout=30)
+    assert result.returncode == 255
+    assert "test network guard: ssh to 192.0.2.10" in result.stderr
+    expected(network_guard, "ssh to 192.0.2.10")
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    loopback = SshTarget.of({"host": "127.0.0.1", "port": port}).run("true", timeout=30)
+    assert loopback.returncode == 255 and "guard" not in loopback.stderr, loopback.stderr
+    assert network_guard.violations == []
+
+    shim = tmp_path / "bin" / "ssh"
+    shim.parent.mkdir()
+    shim.write_text("#!/bin/sh\necho stand-in\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}:/usr/bin:/bin")
+    stand_in = SshTarget.of({"host": "192.0.2.10", "port": 22}).run("true", timeout=30)
+    assert stand_in.stdout == "stand-in\n"
+    assert network_guard.violations == []
+
+
+def test_ssh_destinations_are_read_from_sshtargets_command_lines():
+    assert ssh_destination(["ssh", "-p", "22", "--", "root@192.0.2.1", "true"]) == "192.0.2.1"
+    assert ssh_destination(["ssh", "-o", "BatchMode=yes", "--", "127.0.0.1"]) == "127.0.0.1"
+    assert ssh_destination(["ssh", "-G", "-p", "22", "--", "192.0.2.1"]) is None
+    assert ssh_destination(["ssh", "-F", "config", "llamarig-rig1", "true"]) is None
+    assert ssh_destination(["ssh", "--"]) is None
