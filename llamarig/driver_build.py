@@ -11,6 +11,8 @@ from llamarig.hostpaths import DRIVER_BUILD_FAILURE_PATH, DRIVER_INSTALL_LOG
 
 # The record's keys, one `key=value` line each (written by operations.driver_packages).
 RECORD_KEYS = ("package", "version", "kernel", "kernels", "error")
+# What a user can do about a packaged driver that does not build, said on failure and refusal.
+WAY_OUT = "Use driver.source nvidia-repo, or a kernel this packaged driver supports"
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,6 @@ def refusal(
         f"the last deploy's DKMS build of {package} {candidate} failed for kernel(s) "
         f"{failure.kernels or kernel}: {error}. Not tried again, nothing was installed: it "
         "fails the same way until the package's version or the running kernel changes "
-        "(either tries the build again by itself). Use driver.source nvidia-repo, or a kernel "
-        "this packaged driver supports; to try this build again anyway, remove "
-        f"{DRIVER_BUILD_FAILURE_PATH} on the host."
+        f"(either tries the build again by itself). {WAY_OUT}; to try this build again "
+        f"anyway, remove {DRIVER_BUILD_FAILURE_PATH} on the host."
     )

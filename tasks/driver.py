@@ -82,10 +82,11 @@ def known_build_failure(rig: dict, decision: secureboot.Decision) -> str | None:
     package version apt would install now and the running kernel (None: nothing recorded, a
     prebuilt module, or a version or kernel that changed since)."""
     driver = rig["driver"]
-    failure = known(DriverBuildFailure)
-    if failure is None or driver["source"] not in secureboot.DKMS_SOURCES:
+    # The record is read (prefetched with the system) only where DKMS builds the module.
+    if driver["source"] not in secureboot.DKMS_SOURCES or decision.action == "prebuilt":
         return None
-    if decision.action == "prebuilt":
+    failure = known(DriverBuildFailure)
+    if failure is None:
         return None
     package = built_packages(driver).dkms_package
     if package is None or known(PackageVersions, packages=[package]).get(package) is not None:

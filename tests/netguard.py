@@ -48,11 +48,12 @@ def ssh_destination(argv: list[str]) -> str | None:
     """The host of an ``ssh [options] -- [user@]host [command]`` command line (SshTarget's
     shape), None for any other and for ``ssh -G`` (it prints its configuration, connecting
     nowhere)."""
-    if "--" not in argv or argv.index("--") + 1 >= len(argv):
+    if "--" not in argv:
         return None
-    if "-G" in argv[: argv.index("--")]:
+    end = argv.index("--")
+    if end + 1 >= len(argv) or "-G" in argv[:end]:
         return None
-    return argv[argv.index("--") + 1].rpartition("@")[2]
+    return argv[end + 1].rpartition("@")[2]
 
 
 # The OpenSSH client of this machine (a test's stand-in `ssh` first on PATH is not it).

@@ -11,6 +11,7 @@ from pyinfra.api import (
 )
 from pyinfra.facts.apt import noninteractive_apt
 
+from llamarig.driver_build import WAY_OUT
 from llamarig.factcache import known
 from llamarig.facts import AptListsAge, PackageVersions
 from llamarig.hostpaths import (
@@ -64,7 +65,7 @@ if ! apt-get install -y --no-install-recommends {names} > $log 2>&1; then
   apt-get purge -y {names} >> $log 2>&1 || true
   dpkg --configure -a >> $log 2>&1; apt-get -f install -y >> $log 2>&1
   remembered=""
-  if [ -n "$build_error" ] && [ -n "$version" ] && [ -n {dkms} ]; then
+  if [ -n "$build_error" ] && [ -n "$version" ]; then
     mkdir -p {shlex.quote(STATE_DIRECTORY)}
     printf '%s\\n' package={dkms} "version=$version" "kernel=$(uname -r)" \\
       "kernels=$kernels" "error=$build_error" > {record}
@@ -76,7 +77,7 @@ package's version or the running kernel changes (remove {record} to try it again
   echo "$version" \\
     "failed to build its kernel module for kernel(s) $kernels: $error." \\
     "The driver packages were removed again (apt and dpkg are consistent; full log: $log)." \\
-    "Use driver.source nvidia-repo, or a kernel this packaged driver supports.$remembered" >&2
+    {shlex.quote(WAY_OUT)}".$remembered" >&2
   exit 1
 fi
 rm -f "$started" {record}
