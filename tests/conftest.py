@@ -241,3 +241,12 @@ def default_http_timeouts():
     from llamarig.httpbounds import HttpTimeouts
 
     return HttpTimeouts.of(defaults())
+
+
+@pytest.fixture(scope="session")
+def signed_bookworm(tmp_path_factory):
+    """The bookworm rig test_sandbox_bookworm and test_sandbox_secureboot share, converged once
+    with Secure Boot faked on and `driver.secure_boot: sign` (tests/signed_bookworm.py)."""
+    from tests.signed_bookworm import converged
+
+    yield from converged(tmp_path_factory.mktemp("signed-bookworm"))

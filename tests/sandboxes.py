@@ -123,11 +123,19 @@ def speed_unmeasured(rig: dict) -> dict:
     return rig
 
 
-def demo_rig_unmeasured(path: Path) -> Path:
-    """inventory/hosts.yml with its rig's decode speed unmeasured (``speed_unmeasured``),
-    written to ``path``."""
+def lane_rig(rig: dict) -> dict:
+    """``rig`` as the scenarios in lanes run it: its speed unmeasured (``speed_unmeasured``)
+    and one decode thread (server.threads: 1), since a second thread spins at each token's
+    barrier while the other lane's build holds the other CPU (llama-server took a fifth of a
+    warm CI run's CPU time, 2026-12-06)."""
+    speed_unmeasured(rig)["server"]["threads"] = 1
+    return rig
+
+
+def demo_rig(path: Path, adapt: Callable[[dict], dict]) -> Path:
+    """inventory/hosts.yml with its rig passed through ``adapt``, written to ``path``."""
     document = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
-    speed_unmeasured(document["all"]["children"]["sandbox"]["hosts"]["sandbox"])
+    adapt(document["all"]["children"]["sandbox"]["hosts"]["sandbox"])
     path.write_text(yaml.safe_dump(document))
     return path
 

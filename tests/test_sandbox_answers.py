@@ -167,7 +167,9 @@ def test_verify_fails_by_name_against_the_random_model(sandbox_info, tmp_path):
         # Back to the demo rig, its speed unmeasured: the record is the random model's, so the
         # look would be SmolLM2's first, taken beside the other lane's build (up to 20-fold
         # slower); the serving unit is the demo's either way.
-        sandboxes.converge(sandboxes.demo_rig_unmeasured(tmp_path / "hosts-unmeasured.yml"))
+        sandboxes.converge(
+            sandboxes.demo_rig(tmp_path / "hosts-unmeasured.yml", sandboxes.speed_unmeasured)
+        )
     assert "Paris" in chat_answer()
     assert changed_operations(sandboxes.converge(INVENTORY)) == []
 

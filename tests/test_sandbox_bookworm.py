@@ -8,6 +8,11 @@ changed blacklist triggers exactly one reboot under `reboot: if-needed` (the
 sandbox's supervisor restarts systemd-nspawn, as a machine comes back), after which the deploy
 reconnects and finishes. Stand-ins as in test_sandbox_converge: model and llama.cpp mirror on
 loopback.
+
+The rig is the one test_sandbox_secureboot's `sign` case reads too (tests/signed_bookworm.py):
+its first converge runs with Secure Boot faked on and `driver.secure_boot: sign`, so that one
+DKMS build serves both modules; the reboot drops the faked state, and what follows is the plain
+rig.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ import pytest
 from llamarig import render
 from llamarig.config import load_inventory
 from tests.conftest import PROJECT
-from tests.sandboxes import changed_operations, converge, fresh_sandbox, in_sandbox, verify
+from tests.sandboxes import changed_operations, converge, in_sandbox, verify
+from tests.signed_bookworm import NAME, boot_id
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
@@ -31,26 +37,27 @@ if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
 
 INVENTORY = PROJECT / "inventory" / "sandbox-bookworm.yml"
-NAME = "sandbox-bookworm"
 BLACKLIST = "/etc/modprobe.d/llamarig-blacklist-nouveau-nova.conf"
 
 
 @pytest.fixture(scope="module")
-def bookworm():
-    yield from fresh_sandbox(NAME, "bookworm", 2223)
+def bookworm(signed_bookworm):
+    return signed_bookworm.info
 
 
-def boot_id(info) -> str:
-    return in_sandbox(info, "cat /proc/sys/kernel/random/boot_id")
+@pytest.fixture(scope="module")
+def rig_inventory(signed_bookworm):
+    """The rig's inventory: inventory/sandbox-bookworm.yml with `driver.secure_boot: sign`."""
+    return signed_bookworm.inventory
 
 
-def test_distro_driver_builds_with_dkms_and_reboots_once(bookworm):
-    before = boot_id(bookworm)
-    results = converge(INVENTORY)
-    names = changed_operations(results)
+def test_distro_driver_builds_with_dkms_and_reboots_once(signed_bookworm, bookworm):
+    first = signed_bookworm.first_converge
+    assert first.returncode == 0, f"deploy failed:\n{first.stderr[-6000:]}"
+    names = changed_operations(json.loads(first.stdout)["results"])
     assert "NVIDIA driver (distro, branch 580)" in names
     assert "Reboot to load the new modules (policy `if-needed`)" in names
-    assert boot_id(bookworm) != before, "the sandbox was not rebooted"
+    assert boot_id(bookworm) != signed_bookworm.boot_before, "the sandbox was not rebooted"
     status = in_sandbox(bookworm, "dkms status")
     print(status)
     assert "nvidia-current" in status and "installed" in status, status
@@ -89,29 +96,29 @@ def test_cuda_configure_with_the_installed_toolkit(bookworm):
     assert "Build files have been written" in log
 
 
-def test_second_converge_changes_nothing_and_does_not_reboot(bookworm):
+def test_second_converge_changes_nothing_and_does_not_reboot(bookworm, rig_inventory):
     before = boot_id(bookworm)
-    results = converge(INVENTORY)
+    results = converge(rig_inventory)
     assert results["totals"]["success"] == 0, changed_operations(results)
     assert boot_id(bookworm) == before
 
 
-def test_verify_passes_without_gpu_checks(bookworm):
-    result = verify(INVENTORY, "-v")
+def test_verify_passes_without_gpu_checks(bookworm, rig_inventory):
+    result = verify(rig_inventory, "-v")
     assert result.returncode == 0, result.stdout[-4000:]
     assert "no NVIDIA GPU on this host's PCI bus" in result.stdout
     for check in ("test_nouveau_and_nova_blacklisted", "test_nouveau_and_nova_not_loaded"):
         assert f"{check}[ssh://llamarig-sandbox-bookworm] PASSED" in result.stdout
 
 
-def test_verify_names_a_removed_blacklist_and_the_deploy_restores_it(bookworm):
+def test_verify_names_a_removed_blacklist_and_the_deploy_restores_it(bookworm, rig_inventory):
     in_sandbox(bookworm, f"rm {BLACKLIST}")
-    result = verify(INVENTORY)
+    result = verify(rig_inventory)
     assert result.returncode != 0
     assert "test_nouveau_and_nova_blacklisted" in result.stdout
     assert "not blacklisted in the modprobe configuration" in result.stdout
     before = boot_id(bookworm)
-    names = changed_operations(converge(INVENTORY))
+    names = changed_operations(converge(rig_inventory))
     assert "Blacklist nouveau, nova_core and nova" in names
     assert boot_id(bookworm) != before  # the restored blacklist needs its reboot again
-    assert verify(INVENTORY).returncode == 0
+    assert verify(rig_inventory).returncode == 0

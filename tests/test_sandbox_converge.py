@@ -43,10 +43,10 @@ pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
 
-# inventory/hosts.yml with the decode speed unmeasured (sandboxes.speed_unmeasured): the API
+# inventory/hosts.yml as the scenarios in lanes run it (sandboxes.lane_rig): the API
 # key case turns the slowdown guard back on, since it tests what the guard starts again.
 _RIG_DIRECTORY = tempfile.TemporaryDirectory(prefix="llamarig-converge-")
-INVENTORY = sandboxes.demo_rig_unmeasured(Path(_RIG_DIRECTORY.name) / "hosts.yml")
+INVENTORY = sandboxes.demo_rig(Path(_RIG_DIRECTORY.name) / "hosts.yml", sandboxes.lane_rig)
 SERVICE = "llama-server"
 # The server started by hand with `-lv 4`: a port no other scenario's server uses, since the
 # scenarios run two at a time on the host's one loopback.
@@ -267,10 +267,11 @@ def every_slot_busy(clients: int = 3) -> Iterator[None]:
 
 
 def test_a_noop_converge_with_every_slot_busy_sends_no_completion(sandbox_info, tmp_path):
-    # The rig decodes on one thread here, leaving one CPU of two to the deploy, as a GPU rig
-    # leaves the host's CPUs: with two decode threads the users' requests hold every CPU of
-    # this machine, and then any extra process the deploy starts waits for a CPU, queued or
-    # not (2.35 times a bare exec in one CI run beside the other lane's build, 1.59 quiet).
+    # The rig decodes on one thread (sandboxes.lane_rig), leaving one CPU of two to the deploy,
+    # as a GPU rig leaves the host's CPUs: with two decode threads the users' requests hold
+    # every CPU of this machine, and then any extra process the deploy starts waits for a CPU,
+    # queued or not (2.35 times a bare exec in one CI run beside the other lane's build, 1.59
+    # quiet).
     one_thread = variant(tmp_path, server={"threads": 1})
     converge(one_thread)
     with every_slot_busy():

@@ -82,7 +82,7 @@ def hf_inventory(workdir: Path, hub: RunningStandIn, file: str, **server) -> Pat
         "endpoint": hub.url,
         "token_file": str(workdir / "token"),
     }
-    sandboxes.speed_unmeasured(host)
+    sandboxes.lane_rig(host)
     host["server"].update(server)
     path = workdir / "hosts.yml"
     path.write_text(yaml.safe_dump(document))

@@ -126,7 +126,7 @@ def standin_rig(tmp_path_factory):
             nvidia_repo={"url": STANDIN_URL, "allow_insecure": True},
         )
         rig["server"]["port"] = 8083
-        sandboxes.speed_unmeasured(rig)  # this scenario is about the repository
+        sandboxes.lane_rig(rig)  # this scenario is about the repository
 
     inventory = demo_rig_inventory(
         tmp_path_factory.mktemp("inventory") / "standin.yml", NAME, 2225, edit

@@ -23,7 +23,7 @@ from tests.sandboxes import (
     converge,
     deploy,
     fresh_sandbox,
-    speed_unmeasured,
+    lane_rig,
 )
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
@@ -72,7 +72,7 @@ def test_a_plain_deploy_shows_build_and_download_progress(sandbox_info, tmp_path
     # One compiler at a time: from a warm ccache (every object a cache hit) the build takes
     # seconds; this makes it last a few polls.
     host["llama_cpp"]["jobs"] = 1
-    speed_unmeasured(host)
+    lane_rig(host)
     inventory = tmp_path / "hosts.yml"
     inventory.write_text(yaml.safe_dump(document))
 

@@ -75,8 +75,8 @@ def inventory(
         if small_gpu:
             rig.update(driver={"source": "distro"}, cuda={"source": "distro"}, gpus=[SMALL_GPU])
             rig["llama_cpp"]["backend"] = "cuda"
-        rig["server"].update(port=SERVER_PORT, threads=1)
-        sandboxes.speed_unmeasured(rig)
+        rig["server"]["port"] = SERVER_PORT
+        sandboxes.lane_rig(rig)
 
     return sandboxes.demo_rig_inventory(path, NAME, SSH_PORT, edit)
 

@@ -1,19 +1,16 @@
 """`driver.secure_boot` on a real Debian bookworm target with the distro driver (the real DKMS
 build, GUIDE §2), its Secure Boot state faked.
 
-The sandbox (systemd-nspawn) has no firmware: the test mounts a tmpfs over /sys/firmware inside
-it and writes the SecureBoot EFI variable there (attributes, then 1 = enabled), which the
-preflight reads exactly as on a machine. `auto` must stop before anything is installed (Debian
-has no Canonical-signed modules); `refuse` likewise; `sign` must generate the Machine Owner Key
-(root's alone), configure DKMS to sign with it, have the DKMS-built module signed by that key
-(`modinfo`, its key id against the certificate's), and queue the enrollment with a one-time
-password given on stdin and printed once.
-
-The enrollment is only queued and recorded, never confirmed: confirming it takes the
-firmware's MOK manager at the console on the next boot, which no container has. mokutil itself
-needs real efivarfs (it checks the file system's type), so where the real one cannot run on the
-fake variables, a stand-in that records its arguments and stdin is put first on PATH —
-labelled as such in /usr/local/sbin/mokutil and by this test.
+The test mounts a tmpfs over /sys/firmware inside the sandbox (systemd-nspawn, no firmware) and
+writes the SecureBoot EFI variable there (attributes, then 1 = enabled), which the preflight
+reads exactly as on a machine. `auto` must stop before anything is installed (Debian has no
+Canonical-signed modules); `refuse` likewise: both on a sandbox of their own. `sign` is the
+first converge of the bookworm rig that test_sandbox_bookworm checks too (tests/signed_bookworm.py,
+one DKMS build for both): it must generate the Machine Owner Key (root's alone), configure DKMS
+to sign with it, have the DKMS-built module signed by that key (`modinfo`, its key id against
+the certificate's), and queue the enrollment with a one-time password given on stdin and
+printed once. The enrollment is recorded, never confirmed (no firmware; see
+tests/signed_bookworm.py for the labelled stand-in of mokutil).
 """
 
 from __future__ import annotations
@@ -26,40 +23,16 @@ import pytest
 import yaml
 
 from llamarig import secureboot
-from llamarig.facts import FirmwareBoot
-from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox
+from tests.signed_bookworm import BASE_INVENTORY, MOKUTIL_LOG, fake_secure_boot_on, sandbox_run
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
 if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
 
-BASE_INVENTORY = PROJECT / "inventory" / "sandbox-bookworm.yml"
 NAME = "sandbox-secureboot"
 SSH_PORT = 2228
-MOKUTIL_LOG = "/var/lib/llamarig-test/mokutil.log"
-
-# A recorded stand-in for mokutil (no firmware here): it answers --sb-state as enabled, records
-# each call's arguments and stdin, and answers --test-key from what it recorded.
-MOKUTIL_STANDIN = f"""#!/bin/sh
-# STAND-IN for mokutil, installed by tests/test_sandbox_secureboot.py: this container has no
-# UEFI firmware, so an import is recorded here, never confirmed.
-mkdir -p {os.path.dirname(MOKUTIL_LOG)}
-case "$1" in
-  --sb-state) echo "SecureBoot enabled"; exit 0;;
-  --test-key)
-    if grep -q -- "--import $2" {MOKUTIL_LOG} 2>/dev/null; then
-      echo "$2 is already in the enrollment request"; exit 0
-    fi
-    echo "$2 is not enrolled"; exit 0;;
-  --import)
-    echo "argv: $*" >> {MOKUTIL_LOG}
-    while IFS= read -r line; do echo "stdin: $line" >> {MOKUTIL_LOG}; done
-    exit 0;;
-esac
-echo "stand-in mokutil: $* not recorded" >&2; exit 1
-"""
 
 
 @pytest.fixture(scope="module")
@@ -67,26 +40,12 @@ def sandbox():
     yield from fresh_sandbox(NAME, "bookworm", SSH_PORT)
 
 
-def fake_secure_boot_on(info) -> None:
-    variable = FirmwareBoot.EFIVAR
-    in_sandbox(
-        info,
-        "mountpoint -q /sys/firmware || mount -t tmpfs -o size=64k llamarig-fake-efi "
-        f"/sys/firmware; mkdir -p {os.path.dirname(variable)}; "
-        f"printf '\\006\\000\\000\\000\\001' > {variable}",
-    )
-
-
 def inventory(tmp_path, mode: str):
-    """The bookworm sandbox's inventory for this sandbox, with driver.secure_boot `mode`."""
+    """The bookworm rig's inventory for this module's sandbox, with driver.secure_boot `mode`."""
     data = yaml.safe_load(BASE_INVENTORY.read_text())
     rig = data["all"]["children"]["sandbox"]["hosts"].pop("sandbox-bookworm")
     rig["ssh"].update(port=SSH_PORT, known_hosts=f"/var/cache/llamarig/sandbox/{NAME}/known_hosts")
     rig["driver"]["secure_boot"] = mode
-    rig["reboot"] = "never"  # a reboot would drop the faked variable (a tmpfs)
-    # Signing concerns the driver's module alone: Debian's CUDA toolkit (1.5 GB of packages,
-    # installed by test_sandbox_bookworm) would only slow this down.
-    rig["cuda"] = {"source": "none"}
     data["all"]["children"]["sandbox"]["hosts"][NAME] = rig
     path = tmp_path / f"secureboot-{mode}.yml"
     path.write_text(yaml.safe_dump(data))
@@ -115,23 +74,9 @@ def test_stops_before_installing_anything(sandbox, tmp_path, mode):
     assert installed_packages(sandbox) == before
 
 
-def test_sign_builds_a_signed_module_and_queues_the_enrollment(sandbox, tmp_path):
-    fake_secure_boot_on(sandbox)
-    in_sandbox(
-        sandbox,
-        "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
-        "--no-install-recommends mokutil >/dev/null",
-    )
-    real = sandbox_run(sandbox, "mokutil --sb-state")
-    print("real mokutil on the fake variables:", real)
-    if "SecureBoot enabled" not in real:
-        # The real mokutil cannot run here (no efivarfs): the recorded stand-in takes its place.
-        in_sandbox(
-            sandbox,
-            f"cat > /usr/local/sbin/mokutil <<'EOF'\n{MOKUTIL_STANDIN}EOF\n"
-            "chmod 755 /usr/local/sbin/mokutil",
-        )
-    result = deploy(inventory(tmp_path, "sign"), "--json")
+def test_sign_builds_a_signed_module_and_queues_the_enrollment(signed_bookworm):
+    """Read on the shared bookworm rig (tests/signed_bookworm.py): its first converge signed."""
+    sandbox, result = signed_bookworm.info, signed_bookworm.first_converge
     assert result.returncode == 0, result.stderr[-6000:]
     names = changed_operations(json.loads(result.stdout)["results"])
     for name in (
@@ -178,30 +123,19 @@ def test_sign_builds_a_signed_module_and_queues_the_enrollment(sandbox, tmp_path
     password = printed[0]
     assert password not in result.stdout
     assert "A person must confirm it at the host's console" in result.stderr
-    if "SecureBoot enabled" not in real:
-        recorded = in_sandbox(sandbox, f"cat {MOKUTIL_LOG}").splitlines()
-        assert recorded == [
-            f"argv: --import {secureboot.MOK_CERTIFICATE}",
-            f"stdin: {password}",
-            f"stdin: {password}",
-        ]
-    else:
-        assert in_sandbox(sandbox, "ls /sys/firmware/efi/efivars | grep -c '^MokNew-'") == "1"
+    recorded = in_sandbox(sandbox, f"cat {MOKUTIL_LOG}").splitlines()
+    assert recorded == [
+        f"argv: --import {secureboot.MOK_CERTIFICATE}",
+        f"stdin: {password}",
+        f"stdin: {password}",
+    ]
     leaks = sandbox_run(
         sandbox,
         f"grep -rl -- {password} /var/log /etc /root /tmp /var/lib/dkms 2>/dev/null; "
-        f"journalctl -b --no-pager 2>/dev/null | grep -c -- {password}",
+        f"journalctl --no-pager 2>/dev/null | grep -c -- {password}",
     )
     assert leaks.strip() == "0", leaks
 
 
 def hex_digits(text: str) -> str:
     return "".join(character for character in text.upper() if character in "0123456789ABCDEF")
-
-
-def sandbox_run(info, command: str) -> str:
-    """Run a command that may fail; its stdout and stderr together."""
-    from llamarig_sandbox import sandbox as rig
-
-    result = rig.ssh(info, command, timeout=300)
-    return result.stdout + result.stderr
