@@ -17,10 +17,15 @@ from tests.netguard import NetworkGuard
 PROJECT = Path(__file__).resolve().parent.parent
 VENV_BIN = Path(sys.executable).parent
 
-# The sandbox scenarios, longest first (docs/testing.md), each with the lane it shares: the
-# test tiers run two lanes at once (pytest-xdist, `--dist loadgroup`), and the scenarios of one
-# lane run one after the other in this order, because they boot the same sandbox (its name, SSH
-# and server ports) or build with the same compiler (the first build fills ccache for the next).
+# The sandbox scenarios, each with the lane it shares: the test tiers run two lanes at once
+# (pytest-xdist, `--dist loadgroup`), and the scenarios of one lane run one after the other in
+# this order, because they boot the same sandbox (its name, SSH and server ports) or build with
+# the same compiler (the first build fills ccache for the next). The lanes start in this order
+# too, and xdist hands each worker two lanes to begin with (the first and third, the second
+# and fourth), then one more whenever a worker is down to its last two tests: the third lane
+# is short (it follows the longest, the trixie rig's), the fourth long, and the short ones
+# come last. Before 2026-12-06 the third was the 140 s DKMS lane, and the trixie worker ran
+# 60 s past the other (925 s against 865 balanced).
 SCENARIO_LANES = {
     "test_sandbox_answers": "sandbox-trixie",
     "test_sandbox_converge": "sandbox-trixie",
@@ -28,13 +33,13 @@ SCENARIO_LANES = {
     "test_sandbox_models": "sandbox-trixie",
     "test_sandbox_bookworm": "bookworm",
     "test_sandbox_secureboot": "bookworm",
-    "test_sandbox_trixie_dkms": "sandbox-trixie-distro",
-    "test_sandbox_slowdown": "sandbox-slow",
-    "test_sandbox_tune": "sandbox-tune",
+    "test_sandbox_nvidia_repo": "sandbox-nvidia-repo",
     "test_sandbox_rpc": "sandbox-rpc",
     "test_sandbox_router": "sandbox-router",
-    "test_sandbox_nvidia_repo": "sandbox-nvidia-repo",
+    "test_sandbox_trixie_dkms": "sandbox-trixie-distro",
     "test_sandbox_hostile": "sandbox-hostile",
+    "test_sandbox_slowdown": "sandbox-slow",
+    "test_sandbox_tune": "sandbox-tune",
 }
 SANDBOX_MODULE_PREFIX = "test_sandbox_"
 
