@@ -126,8 +126,8 @@ def speed_unmeasured(rig: dict) -> dict:
 def lane_rig(rig: dict) -> dict:
     """``rig`` as the scenarios in lanes run it: its speed unmeasured (``speed_unmeasured``)
     and one decode thread (server.threads: 1), since a second thread spins at each token's
-    barrier while the other lane's build holds the other CPU (llama-server took a fifth of a
-    warm CI run's CPU time, 2026-12-06)."""
+    barrier while the other lane's build holds the other CPU (llama-server took 403 CPU-seconds
+    of a warm CI run with two threads, 256 with one; 2026-12-06)."""
     speed_unmeasured(rig)["server"]["threads"] = 1
     return rig
 
