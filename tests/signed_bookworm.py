@@ -30,7 +30,7 @@ import yaml
 
 from llamarig.facts import FirmwareBoot
 from tests.conftest import PROJECT
-from tests.sandboxes import deploy, in_sandbox
+from tests.sandboxes import deploy, fresh_sandbox, in_sandbox
 
 BASE_INVENTORY = PROJECT / "inventory" / "sandbox-bookworm.yml"
 NAME = "sandbox-bookworm"
@@ -118,16 +118,9 @@ def signing_inventory(directory: Path) -> Path:
 def converged(directory: Path):
     """Boot the bookworm sandbox with Secure Boot faked on and converge it once in `sign`
     mode; a generator for a session fixture (the sandbox goes down after the session)."""
-    from llamarig_sandbox import sandbox
-
-    sandbox.down(NAME)
-    info = sandbox.up(release="bookworm", name=NAME, ssh_port=SSH_PORT)
-    try:
+    for info in fresh_sandbox(NAME, "bookworm", SSH_PORT):
         fake_secure_boot_on(info)
         install_mokutil_standin(info)
         inventory = signing_inventory(directory)
         before = boot_id(info)
-        result = deploy(inventory, "--json")
-        yield SignedBookworm(info, inventory, result, before)
-    finally:
-        sandbox.down(NAME)
+        yield SignedBookworm(info, inventory, deploy(inventory, "--json"), before)
