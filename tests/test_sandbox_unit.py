@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -279,6 +280,34 @@ def test_supervisor_passes_sigterm_on_and_stops():
     supervisor.send_signal(signal.SIGTERM)
     # Killed by the signal passed on (143), long before its `sleep 60` would end.
     assert supervisor.wait(timeout=30) == 128 + signal.SIGTERM
+
+
+# --- working roots -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mem_total_kib", "on_disk", "in_memory"),
+    [(24_000_000, "", True), (8_000_000, "", False), (24_000_000, "1", False)],
+)
+def test_working_roots_go_in_memory_only_with_the_memory_and_not_told_otherwise(
+    tmp_path, monkeypatch, mem_total_kib, on_disk, in_memory
+):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal:       {mem_total_kib} kB\nMemFree:        1000 kB\n")
+    monkeypatch.setenv("LLAMARIG_SANDBOX_ROOTS_ON_DISK", on_disk)
+    assert sandbox._roots_in_memory(meminfo) is in_memory
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_removing_a_root_on_its_own_tmpfs_unmounts_it(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
+    (root / "etc").mkdir()
+    (root / "etc/hostname").write_text("sandbox-x\n")
+    sandbox._remove_tree(root)
+    assert not root.exists()
+    assert str(root) not in Path("/proc/self/mounts").read_text()
 
 
 # --- locks ---------------------------------------------------------------------------------------
