@@ -5,16 +5,17 @@
 # lane of its sandbox scenario (tests/conftest.py, SCENARIO_LANES), the other the unit tests.
 # `all`: first the lanes of sandbox scenarios alone on two workers, each worker running a lane to
 # the end, then the next lane (a scenario compiles on every CPU: a third worker made that phase
-# 23% longer, docs/testing.md); then the scenarios marked `alone`, whose verdicts rest on speeds
-# measured here, with the unit and property tests beside them pinned to one CPU: a steady load
-# on one CPU is what those scenarios are proven to tell apart (a build in a lane, bursting on
-# every CPU, is not). The sandbox's roots and downloads are prepared beside the first phase from
+# 23% longer, docs/testing.md), and the unit tests marked `lane_tail` once the last lanes have
+# begun (the worker done first takes them); then the scenarios marked `alone`, whose verdicts
+# rest on speeds measured here, with the other unit and property tests beside them pinned to
+# one CPU: a steady load on one CPU is what those scenarios are proven to tell apart (a build in
+# a lane, bursting on every CPU, is not). The sandbox's roots and downloads are prepared beside the first phase from
 # the start (network-bound work: debootstrap, PyPI); a scenario's `up` waits for them.
 set -uo pipefail
 tier=${1:-} bin=${2:-.venv/bin}
 case "$tier" in
   quick) selection=(-m "not heavy") releases=(--release trixie) ;;
-  all) selection=(-m "sandbox and not alone and not soak") releases=(--release trixie --release bookworm) ;;
+  all) selection=(-m "(sandbox and not alone and not soak) or lane_tail") releases=(--release trixie --release bookworm) ;;
   soak) exec "$bin/pytest" -m soak -rs -s --durations=10 ;;
   *) echo "usage: $0 quick|all|soak [VENV_BIN]" >&2; exit 2 ;;
 esac
@@ -42,7 +43,7 @@ if [ "$tier" = all ]; then
   units_log=$(mktemp) units_tmp=$(mktemp -d)
   workers=()
   if [ ${#pinned[@]} != 0 ]; then workers=(-n 2); fi
-  "${pinned[@]}" "$bin/pytest" -m "not sandbox" "${workers[@]}" -rs --durations=10 \
+  "${pinned[@]}" "$bin/pytest" -m "not sandbox and not lane_tail" "${workers[@]}" -rs --durations=10 \
     -p no:cacheprovider --basetemp "$units_tmp" >"$units_log" 2>&1 &
   units=$!
   if [ ${#pinned[@]} = 0 ]; then wait "$units" || status=$?; fi  # one CPU: one after the other
