@@ -752,13 +752,16 @@ def _info_from_state(state: dict) -> SandboxInfo:
     return SandboxInfo(**{field: state[field] for field in SandboxInfo.__dataclass_fields__})
 
 
-def _prepare_working_root(name: str, release: str, base_root: Path, ssh_port: int) -> Path:
-    """Copy the base root afresh and configure its SSH access and identity."""
+def _prepare_working_root(
+    name: str, release: str, base_root: Path, ssh_port: int, in_memory: bool
+) -> Path:
+    """Copy the base root afresh (onto a tmpfs of its own if ``in_memory``) and configure its
+    SSH access and identity."""
     root = _paths(name)["root"]
     _remove_tree(root)
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     root.mkdir()
-    if _roots_in_memory():
+    if in_memory:
         _run(
             ["mount", "-t", "tmpfs", "-o", f"mode=0755,size={ROOT_TMPFS_SIZE}", "tmpfs", str(root)],
             "mounting a tmpfs for the working root",
@@ -789,11 +792,17 @@ def _prepare_working_root(name: str, release: str, base_root: Path, ssh_port: in
 
 def _roots_in_memory(meminfo: Path = Path("/proc/meminfo")) -> bool:
     """Whether working roots go on a tmpfs of their own: on a host with the memory for it
-    (ROOTS_IN_MEMORY_MIN_KIB), unless LLAMARIG_SANDBOX_ROOTS_ON_DISK is set. A root is rebuilt,
+    (ROOTS_IN_MEMORY_MIN_KIB), unless LLAMARIG_SANDBOX_ROOTS_ON_DISK is 1. A root is rebuilt,
     never repaired, so it need not survive the host; on ext4, every file a root's dpkg, git or
     compiler creates searched the inode bitmaps past the inodes of roots deleted just before
     (`recently_deleted`, a third of an apt install's CPU time)."""
-    if os.environ.get("LLAMARIG_SANDBOX_ROOTS_ON_DISK"):
+    on_disk = os.environ.get("LLAMARIG_SANDBOX_ROOTS_ON_DISK", "")
+    if on_disk not in ("", "0", "1"):
+        raise SandboxError(
+            f"LLAMARIG_SANDBOX_ROOTS_ON_DISK is {on_disk!r}: set it to 1 to keep the sandbox"
+            " roots on disk, or to 0 (or leave it unset) to put them in memory"
+        )
+    if on_disk == "1":
         return False
     total_kib = int(meminfo.read_text().splitlines()[0].split()[1])  # "MemTotal: N kB"
     return total_kib >= ROOTS_IN_MEMORY_MIN_KIB
@@ -960,7 +969,8 @@ def up(
                 f" clean it up with `llamarig sandbox down --name {name}`"
             )
 
-        # Fail on a taken port before spending minutes on the rest.
+        # Fail on a taken port or a bad setting before spending minutes on the rest.
+        in_memory = _roots_in_memory()
         _check_port_free(ssh_port, "sandbox's sshd")
         if not _file_server_pid(http_port):
             _check_port_free(http_port, "file server")
@@ -974,7 +984,7 @@ def up(
 
         _say(f"starting {name}")
         started = time.monotonic()
-        root = _prepare_working_root(name, release, base_root, ssh_port)
+        root = _prepare_working_root(name, release, base_root, ssh_port, in_memory)
         known_hosts = _pin_host_key(name, root, ssh_port)
         info = SandboxInfo(
             name=name,

@@ -287,7 +287,12 @@ def test_supervisor_passes_sigterm_on_and_stops():
 
 @pytest.mark.parametrize(
     ("mem_total_kib", "on_disk", "in_memory"),
-    [(24_000_000, "", True), (8_000_000, "", False), (24_000_000, "1", False)],
+    [
+        (24_000_000, "", True),
+        (24_000_000, "0", True),
+        (8_000_000, "", False),
+        (24_000_000, "1", False),
+    ],
 )
 def test_working_roots_go_in_memory_only_with_the_memory_and_not_told_otherwise(
     tmp_path, monkeypatch, mem_total_kib, on_disk, in_memory
@@ -296,6 +301,13 @@ def test_working_roots_go_in_memory_only_with_the_memory_and_not_told_otherwise(
     meminfo.write_text(f"MemTotal:       {mem_total_kib} kB\nMemFree:        1000 kB\n")
     monkeypatch.setenv("LLAMARIG_SANDBOX_ROOTS_ON_DISK", on_disk)
     assert sandbox._roots_in_memory(meminfo) is in_memory
+
+
+@pytest.mark.parametrize("value", ["yes", "true", " 1", "1; rm -rf /"])
+def test_a_roots_on_disk_setting_other_than_0_or_1_is_refused_naming_it(monkeypatch, value):
+    monkeypatch.setenv("LLAMARIG_SANDBOX_ROOTS_ON_DISK", value)
+    with pytest.raises(sandbox.SandboxError, match="LLAMARIG_SANDBOX_ROOTS_ON_DISK.*set it to 1"):
+        sandbox._roots_in_memory()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
