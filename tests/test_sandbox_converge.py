@@ -302,9 +302,11 @@ def test_a_noop_converge_with_every_slot_busy_sends_no_completion(sandbox_info, 
     # Each no-op against the bare exec just before it, the median of the five: one lucky bare
     # exec does not decide (the least of each, compared, failed a cold CI run beside the other
     # lane's first build: 2.14 against 2 x 1.03 s, where the others took 1.3-2.3 s; the median
-    # ratio was 1.55).
+    # ratio was 1.55). Bound at 3: queued, a no-op takes 24 times a bare exec; not queued, its
+    # 4 commands took a median 1.06-1.55 times one, and 2.09 in a warm CI run beside the other
+    # lane (2026-12-07, ratios 1.06-2.65), which a bound of 2 failed.
     ratios = [noop / bare for noop, bare in zip(noop_seconds, bare_seconds, strict=True)]
-    assert statistics.median(ratios) <= 2, (noop_seconds, bare_seconds)
+    assert statistics.median(ratios) <= 3, (noop_seconds, bare_seconds)
 
 
 def bare_exec(inventory: Path = INVENTORY) -> subprocess.CompletedProcess:
