@@ -92,13 +92,13 @@ SANDBOX_CCACHE_PATH = "/var/cache/llamarig/ccache"
 NSPAWN_REBOOT_EXIT = 133
 BOOT_TIMEOUT_S = 120
 SHUTDOWN_TIMEOUT_S = 60
+SERVICE_START_TIMEOUT_S = 10
+SSH_CONNECT_TIMEOUT_S = 10
 # A working root on a tmpfs (see _roots_in_memory): on hosts with at least 20 GiB, each root
 # capped at 12 GiB. The converged bookworm rig, with Debian's driver, CUDA toolkit, DKMS build
 # and llama.cpp, takes 7.2 GiB, and a trixie rig beside it 1.2 (a CI run, 2026-12-06).
 ROOTS_IN_MEMORY_MIN_KIB = 20 * 1024 * 1024
 ROOT_TMPFS_SIZE = "12g"
-SERVICE_START_TIMEOUT_S = 10
-SSH_CONNECT_TIMEOUT_S = 10
 
 # Host commands the sandbox needs, and the Debian package providing each.
 HOST_COMMANDS = {
@@ -333,7 +333,8 @@ def _log_tail(log_path: Path, lines: int = 5) -> str:
 def _remove_tree(path: Path) -> None:
     """Delete a root directory tree without crossing into anything mounted inside it.
 
-    An interrupted debootstrap can leave /proc and /sys mounted in its target.
+    An interrupted debootstrap can leave /proc and /sys mounted in its target; a working root
+    may be a tmpfs of its own (_prepare_working_root), unmounted here too.
     """
     if not path.exists():
         return

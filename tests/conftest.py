@@ -75,7 +75,7 @@ def pytest_collection_modifyitems(config, items):
 
     def rank(item: pytest.Item) -> tuple[int, int]:
         module = _module_name(item)
-        if module in LANE_TAIL_MODULES:
+        if item.get_closest_marker("lane_tail"):
             return (len(lanes) + 1, 0)
         if module not in SCENARIO_LANES or not item.get_closest_marker("sandbox"):
             return (1, 0)
