@@ -1,7 +1,7 @@
 #!/bin/bash
 # The container root of bench/systemd_h200.sh, built here (a machine that reaches Debian's
 # mirror) and carried to the GPU machine (which reaches nothing): the sandbox's trixie base root
-# (debootstrap minbase + systemd-sysv, udev, dbus, openssh-server, python3, ca-certificates,
+# (mmdebstrap minbase + systemd-sysv, udev, dbus, openssh-server, python3, ca-certificates,
 # kmod, iproute2, curl) plus what `llama_cpp.build_dependencies: preinstalled` needs on the
 # target's PATH (cc, c++, cmake, ninja, git; llama.cpp's build links libgomp1). Packed as tar.xz
 # without documentation, locales, apt's lists and caches, or SSH host keys (each run makes its

@@ -7,7 +7,7 @@
 #
 #   bash systemd-root.sh ROOT.tar.xz [EXTRA_DIR ...]   # each EXTRA_DIR is bind-mounted at the same path
 #
-# The root: a debootstrap root (the sandbox's cached base root) packed without usr/share/{doc,man,
+# The root: an mmdebstrap root (the sandbox's cached base root) packed without usr/share/{doc,man,
 # locale}, var/cache and var/lib/apt/lists (42 MB as tar.xz for trixie minbase + systemd + sshd + python3).
 # A plain chroot does not work (systemd 257: "Failed to fork off sandboxing environment for executing
 # generators: Protocol error"); pivot_root into a bind mount of the root does.

@@ -10,7 +10,7 @@
 # rest on speeds measured here, with the other unit and property tests beside them pinned to
 # one CPU: a steady load on one CPU is what those scenarios are proven to tell apart (a build in
 # a lane, bursting on every CPU, is not). The sandbox's roots and downloads are prepared beside
-# the first phase from the start (network-bound work: debootstrap, PyPI); a scenario's `up`
+# the first phase from the start (network-bound work: mmdebstrap, PyPI); a scenario's `up`
 # waits for them.
 set -uo pipefail
 tier=${1:-} bin=${2:-.venv/bin}

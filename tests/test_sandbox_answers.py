@@ -7,7 +7,7 @@ This is the one sandbox scenario of `make test` (the quick tier, not marked `hea
 converge that serves and answers, a second that changes nothing, verify, a rollback.
 
 Stand-ins as in test_sandbox_converge: the models come from the loopback file server, llama.cpp
-from a git daemon mirror. Needs root, systemd-nspawn and debootstrap.
+from a git daemon mirror. Needs root, systemd-nspawn and mmdebstrap.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ from a loopback HTTP server instead of a model hub, and llama.cpp comes from a `
 mirror of the llama-cpp-python 0.3.36 sdist instead of GitHub. The deploy's code path is the
 production one.
 
-Needs root, systemd-nspawn and debootstrap (the sandbox installs them); the first converge
+Needs root, systemd-nspawn and mmdebstrap (the sandbox installs them); the first converge
 builds llama-server (about 9 minutes on 2 cores without a warm ccache).
 """
 

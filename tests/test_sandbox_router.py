@@ -7,7 +7,7 @@ answers; a third entry (SmolLM2's file under another name and context) downloads
 touches no other model's file, and the converge after it changes nothing.
 
 Stand-ins as in test_sandbox_converge: the models come from the loopback file server, llama.cpp
-from a git daemon mirror. Needs root, systemd-nspawn and debootstrap.
+from a git daemon mirror. Needs root, systemd-nspawn and mmdebstrap.
 """
 
 from __future__ import annotations

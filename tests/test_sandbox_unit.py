@@ -153,6 +153,19 @@ def test_sshd_dropin():
     )
 
 
+def test_a_base_root_gets_a_machine_id_of_its_own(tmp_path):
+    """mmdebstrap leaves /etc/machine-id empty: a boot from it would be a first boot."""
+    roots = []
+    for name in ("first", "second"):
+        (tmp_path / name / "etc").mkdir(parents=True)
+        (tmp_path / name / "etc/machine-id").write_text("")
+        sandbox._write_machine_id(tmp_path / name)
+        roots.append((tmp_path / name / "etc/machine-id").read_text())
+    assert all(len(text) == 33 and text.endswith("\n") for text in roots)
+    assert all(int(text, 16) for text in roots)
+    assert roots[0] != roots[1]
+
+
 def test_drop_dhcp_stanzas_keeps_loopback_and_static():
     interfaces = (
         "source /etc/network/interfaces.d/*\n"
