@@ -82,11 +82,17 @@ def complete(prompt: str = "Hello", tokens: int = 8) -> dict:
 
 
 def variant(tmp_path: Path, **changes) -> Path:
-    """A copy of the sandbox inventory with some sandbox host settings changed."""
+    """A copy of the sandbox inventory with some sandbox host settings changed. A mapping is
+    merged into the rig's own: a CMake option added keeps the rig's compiler flags, and so its
+    ccache hits (replaced, the killed-build case compiled all of llama.cpp afresh at -O3)."""
     document = yaml.safe_load(INVENTORY.read_text())
     host = document["all"]["children"]["sandbox"]["hosts"]["sandbox"]
     for section, values in changes.items():
-        host.setdefault(section, {}).update(values)
+        settings = host.setdefault(section, {})
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(settings.get(key), dict):
+                value = {**settings[key], **value}
+            settings[key] = value
     path = tmp_path / "hosts.yml"
     path.write_text(yaml.safe_dump(document))
     return path
