@@ -280,3 +280,17 @@ def test_the_alias_is_on_the_command_line_and_an_unsafe_one_is_refused(write_inv
         with pytest.raises(ConfigError) as caught:
             load_inventory(write_inventory(base + f"      server: {{alias: '{hostile}'}}\n"))
         assert "hosts.rig1.server.alias" in "\n".join(caught.value.problems)
+
+
+# The CMake entries that set the compiler's flags: where two trixie sandbox rigs differ in one,
+# the second build misses every object of the ccache the first filled.
+COMPILER_FLAG_OPTIONS = ("CMAKE_BUILD_TYPE", "CMAKE_C_FLAGS_RELEASE", "CMAKE_CXX_FLAGS_RELEASE")
+
+
+def test_the_trixie_sandbox_rigs_compile_with_the_same_flags(sandbox_rig):
+    rpc = load_inventory(PROJECT / "inventory" / "sandbox-rpc.yml").hosts
+    demo = {key: render.cmake_options(sandbox_rig).get(key) for key in COMPILER_FLAG_OPTIONS}
+    assert demo["CMAKE_CXX_FLAGS_RELEASE"] == "-O1 -DNDEBUG"
+    for name in ("rpc-head", "rpc-worker"):
+        options = render.cmake_options(rpc[name].data)
+        assert {key: options.get(key) for key in COMPILER_FLAG_OPTIONS} == demo, name
