@@ -34,6 +34,7 @@ import yaml
 
 from llamarig import CACHE_DIR, hostpaths, render
 from llamarig.config import load_inventory
+from llamarig.config.inventory import deep_merge
 from tests import sandboxes
 from tests.conftest import PROJECT, pyinfra_env
 from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox
@@ -82,17 +83,13 @@ def complete(prompt: str = "Hello", tokens: int = 8) -> dict:
 
 
 def variant(tmp_path: Path, **changes) -> Path:
-    """A copy of the sandbox inventory with some sandbox host settings changed. A mapping is
-    merged into the rig's own: a CMake option added keeps the rig's compiler flags, and so its
-    ccache hits (replaced, the killed-build case compiled all of llama.cpp afresh at -O3)."""
+    """A copy of the sandbox inventory with some sandbox host settings changed, merged as the
+    inventory merges a host over its groups: a CMake option added keeps the rig's compiler
+    flags, and so its ccache hits (replaced, the killed-build case compiled all of llama.cpp
+    afresh at -O3)."""
     document = yaml.safe_load(INVENTORY.read_text())
-    host = document["all"]["children"]["sandbox"]["hosts"]["sandbox"]
-    for section, values in changes.items():
-        settings = host.setdefault(section, {})
-        for key, value in values.items():
-            if isinstance(value, dict) and isinstance(settings.get(key), dict):
-                value = {**settings[key], **value}
-            settings[key] = value
+    hosts = document["all"]["children"]["sandbox"]["hosts"]
+    hosts["sandbox"] = deep_merge(hosts["sandbox"], changes)
     path = tmp_path / "hosts.yml"
     path.write_text(yaml.safe_dump(document))
     return path
