@@ -21,11 +21,10 @@ VENV_BIN = Path(sys.executable).parent
 # (pytest-xdist, `--dist loadgroup`), and the scenarios of one lane run one after the other in
 # this order, because they boot the same sandbox (its name, SSH and server ports) or build with
 # the same compiler (the first build fills ccache for the next). The lanes start in this order
-# too, and xdist hands each worker two lanes to begin with (the first and third, the second
-# and fourth), then one more whenever a worker is down to its last two tests: the third lane
-# is short (it follows the longest, the trixie rig's), the fourth long, and the short ones
-# come last. Before 2026-12-06 the third was the 140 s DKMS lane, and the trixie worker ran
-# 60 s past the other (925 s against 865 balanced).
+# too: xdist gives each worker one lane, then the next whenever the worker is down to its last
+# two tests, so each takes its next lane as it ends the last, whichever worker that is.
+# Replayed with sleeps of a cold and a warm run's durations (C11 and W17, docs/testing.md), the
+# router lane third instead of the NVIDIA repository's moved neither worker's end by over 1 s.
 SCENARIO_LANES = {
     "test_sandbox_answers": "sandbox-trixie",
     "test_sandbox_converge": "sandbox-trixie",
@@ -46,6 +45,8 @@ SANDBOX_MODULE_PREFIX = "test_sandbox_"
 # `lane_tail`): the worker whose lanes end first takes them while the other finishes its last
 # lane, instead of leaving its CPU idle; the rest run beside the `alone` scenarios on one CPU,
 # which they outlasted (302 s against 252, 2026-12-06). CPU-bound, with no verdict on time.
+# In this order, the longest first: the properties' first test takes 30-36 s, the others
+# under 8; replayed as above, it held the worker that took it last 26 s past the other.
 LANE_TAIL_MODULES = ("test_config_properties", "test_checksums")
 
 
@@ -76,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
     def rank(item: pytest.Item) -> tuple[int, int]:
         module = _module_name(item)
         if item.get_closest_marker("lane_tail"):
-            return (len(lanes) + 1, 0)
+            return (len(lanes) + 1, LANE_TAIL_MODULES.index(module))
         if module not in SCENARIO_LANES or not item.get_closest_marker("sandbox"):
             return (1, 0)
         lane = lanes.index(SCENARIO_LANES[module])
