@@ -313,8 +313,11 @@ class FileHead(FactBase):
 class UrlHead(FactBase):
     """The first ``size`` bytes of a URL as the host reads it (a model's GGUF header, where
     the host reaches the model and this machine does not), or None: no curl, no answer, or an
-    error status. ``header_file``: a root-only file of request headers (a Hub token), sent when
-    it exists; curl does not send it across a redirect to another host."""
+    error status. ``header_file``: a root-only file of request headers (the Hub token), sent
+    when it exists; give it only for a URL it belongs to (``reference.sends_hub_token``: the
+    Hub endpoint's), never for another host's. curl follows redirects (``-L``) but without
+    ``--location-trusted``, so it drops the file's Authorization line on a redirect to another
+    host, scheme or port (the Hub's CDN gets none), as the Hub client does."""
 
     def command(self, url: str, size: int, header_file: str | None = None) -> str:
         auth = ""

@@ -8,13 +8,17 @@ CONFIG_DIRECTORY = "/etc/llamarig"
 SYSTEMD_UNIT_DIRECTORY = "/etc/systemd/system"
 
 # The API key on the host (root only), and a curl header file made from it for the deploy's own
-# checks (curl -H @FILE keeps the key out of every command line).
+# checks (curl -H @FILE keeps the key out of every command line). Only requests to the rig's own
+# llama-server (`render.base_url`, asked on the host) send it: the deploy's and verify's checks,
+# status, complete and tune; never a model URL or another host.
 API_KEY_PATH = f"{CONFIG_DIRECTORY}/api-key"
 API_KEY_HEADER_PATH = f"{CONFIG_DIRECTORY}/api-key.header"
 # curl's header option where the host has an API key, nothing where it has none.
 CURL_AUTH = f'$([ -f {API_KEY_HEADER_PATH} ] && echo "-H @{API_KEY_HEADER_PATH}")'
 # The Hugging Face token's only copy on a host: root's alone, in a directory only root may
-# enter, read by curl as a header file (the model download; the plan's header read).
+# enter, read by curl as a header file (the model download; the plan's header read) only for a
+# URL of the Hub endpoint (`reference.sends_hub_token`), and removed by the first converge whose
+# models need it no more (tasks/model.py).
 HUB_TOKEN_DIRECTORY = f"{CONFIG_DIRECTORY}/hub"
 HUB_TOKEN_HEADER_PATH = f"{HUB_TOKEN_DIRECTORY}/authorization-header"
 

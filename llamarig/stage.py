@@ -165,6 +165,11 @@ def read_managed_state() -> None:
         (key_fact, {"path": hostpaths.API_KEY_PATH}),
         (File, {"path": hostpaths.API_KEY_HEADER_PATH}),
     ]
+    # The Hub token likewise: written while a model needs it, else removed (tasks/model.py).
+    hub_token = data["role"] != "rpc-worker" and any(
+        model["model"]["hf"] and model["model"]["token_file"] for model in served_data(rig())
+    )
+    requests.append((FileState if hub_token else File, {"path": hostpaths.HUB_TOKEN_HEADER_PATH}))
     if not is_router(data) and data["role"] != "rpc-worker":
         requests.append((File, {"path": paths["presets"]}))  # removed, if a router left it
     prefetch(requests)

@@ -28,6 +28,8 @@ def deploy(restart_on: list[OperationMeta]) -> list[OperationMeta]:
     # The plan's data: ctx and tensor_split resolved from the GPUs and the model header.
     rig = stage.plan().resolved
     if rig["role"] == "rpc-worker":
+        # A head that became a worker keeps no key: nothing on a worker may send it.
+        _no_api_key()
         return []
     inputs = [*_api_key(rig), *restart_on]
     if rig["server"]["supervisor"] == "none":
@@ -38,10 +40,14 @@ def deploy(restart_on: list[OperationMeta]) -> list[OperationMeta]:
         # Only once the version without a key serves: until then the last version that served,
         # which a rollback or the slowdown check starts again, may need the key (its unit loads
         # it as a credential, and the deploy's checks send its header).
-        for path in (hostpaths.API_KEY_PATH, hostpaths.API_KEY_HEADER_PATH):
-            operations.absent(name=f"No API key file {path}", path=path)
+        _no_api_key()
     stage.prune_builds(rig)
     return serving
+
+
+def _no_api_key() -> None:
+    for path in (hostpaths.API_KEY_PATH, hostpaths.API_KEY_HEADER_PATH):
+        operations.absent(name=f"No API key file {path}", path=path)
 
 
 def _api_key(rig: dict) -> list[OperationMeta]:

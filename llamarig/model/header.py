@@ -29,13 +29,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from llamarig import hostpaths
 from llamarig.facts import FileHead, FileIdentity, Reader, UrlHead
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
-from llamarig.hostpaths import HUB_TOKEN_HEADER_PATH
 from llamarig.model import header_record
 from llamarig.model.files import ModelFile, model_files, shard_digests, sibling_paths, sibling_urls
 from llamarig.model.lock import declared_key, header_key, lock_path, recorded_header
-from llamarig.model.reference import HubError, read_token
+from llamarig.model.reference import HubError, read_token, sends_hub_token
 
 HEADER_FIRST_READ = 8 << 20
 HEADER_MAX_READ = 256 << 20
@@ -43,8 +43,9 @@ HEADER_MAX_READ = 256 << 20
 
 def fetch_header(url: str, token: str | None = None, sha256: str | None = None) -> GgufHeader:
     """Read a model's GGUF header over HTTP with range requests, growing the read as needed;
-    ``token`` (a Hugging Face token) is sent to ``url`` alone, never across a redirect. With
-    ``sha256`` (the file's) the header is kept on this machine and not fetched again."""
+    ``token`` (a Hugging Face token, given only for a URL of its Hub: ``sends_hub_token``) is
+    sent to ``url`` alone, never across a redirect. With ``sha256`` (the file's) the header is
+    kept on this machine and not fetched again."""
     kept = cached(sha256, name=url)
     if kept is not None:
         return kept
@@ -94,7 +95,8 @@ def load_header(data: dict, model_path: str | None = None) -> tuple[GgufHeader |
 
 def url_headers(data: dict) -> tuple[list[GgufHeader], str]:
     """The header of each of the model's files (every shard of a split model), read from its
-    URL (or kept on this machine); or no headers and why."""
+    URL (or kept on this machine); or no headers and why. The Hub token goes only with a
+    shard's URL on the model's Hub endpoint (``sends_hub_token``)."""
     url = data["model"]["url"]
     if not url:
         return [], "the model is a file on the host (plan with --model PATH, a local copy)"
@@ -104,7 +106,7 @@ def url_headers(data: dict) -> tuple[list[GgufHeader], str]:
         shards = sibling_urls(url)
         digests = shard_digests(model, len(shards))
         return [
-            fetch_header(shard, token, digest)
+            fetch_header(shard, token if sends_hub_token(model, shard) else None, digest)
             for shard, digest in zip(shards, digests, strict=True)
         ], ""
     except (HubError, urllib.error.URLError, OSError, GgufError) as error:
@@ -183,7 +185,7 @@ def find_model_header(found: FoundHeader, data: dict, reader: Reader | None) -> 
         headers = [head for head, _ in heads] if merged else []
         if not headers and all(file.url for file in files):
             # Not on the host yet: the host may reach the URL where this machine cannot.
-            from_host = [host_url_header(reader, file) for file in files]
+            from_host = [host_url_header(reader, file, data["model"]) for file in files]
             if all(isinstance(head, GgufHeader) for head in from_host):
                 headers = from_host
     if not headers:
@@ -222,14 +224,16 @@ def find_model_header(found: FoundHeader, data: dict, reader: Reader | None) -> 
         )
 
 
-def host_url_header(reader: Reader, file: ModelFile) -> GgufHeader | GgufError | None:
-    """The GGUF header of a model file's URL as the host reads it (with the Hub token's header
-    file where the host has one), kept on this machine by the file's sha256; None when the
-    host reads nothing."""
+def host_url_header(reader: Reader, file: ModelFile, model: dict) -> GgufHeader | GgufError | None:
+    """The GGUF header of a model file's URL as the host reads it, kept on this machine by the
+    file's sha256; None when the host reads nothing. The Hub token's header file goes with the
+    request only when ``file``'s URL is on the Hub endpoint of ``model`` (its model section:
+    ``sends_hub_token``), never to a URL model's host."""
+    header_file = hostpaths.HUB_TOKEN_HEADER_PATH if sends_hub_token(model, file.url) else None
     return _kept_or_read(
         file.sha256,
         file.url,
-        lambda size: reader(UrlHead, url=file.url, size=size, header_file=HUB_TOKEN_HEADER_PATH),
+        lambda size: reader(UrlHead, url=file.url, size=size, header_file=header_file),
     )
 
 

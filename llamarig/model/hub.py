@@ -29,8 +29,10 @@ Choices, and why:
   refused rather than downloaded unchecked.
 
 The token is read in this process and handed to huggingface_hub, which sends it as an
-``Authorization`` header: it is never put in an argv, an environment, a log line or an
-exception message.
+``Authorization`` header to the endpoint (and, across a redirect, only to the same origin or
+the Hub's own hosts as huggingface_hub lists them; a CDN's signed URL gets none): it is never
+put in an argv, an environment, a log line or an exception message. The host's download and
+header reads send it only with the endpoint's URLs (``reference.sends_hub_token``).
 """
 
 from __future__ import annotations

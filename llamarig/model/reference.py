@@ -1,7 +1,8 @@
 """A Hugging Face model reference checked offline: its keys, and values in shapes that cannot
 carry shell syntax (the repo id, a path in the repo, a quant, a revision, the endpoint). The
 config rules use it at load time; `llamarig.model.hub` resolves what passes (see there for the
-reference's forms and the choices made)."""
+reference's forms and the choices made). The token: read private (`read_token`), and sent only
+with requests for the endpoint's URLs (`sends_hub_token`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
 DEFAULT_REVISION = "main"
@@ -149,6 +151,42 @@ def _validated_endpoint(endpoint: object) -> str:
             "127.0.0.1 or localhost)",
         )
     return endpoint.rstrip("/")
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of a URL, the scheme's port when none is written; ValueError for a
+    URL that does not parse (a port out of range)."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    return scheme, (parts.hostname or "").lower(), parts.port or _DEFAULT_PORTS.get(scheme)
+
+
+def sends_hub_token(model: Mapping, url: str) -> bool:
+    """Whether a request for ``url`` carries the Hub token of ``model`` (a model section, or
+    one model of `models:`): only when the model is a Hugging Face reference with a
+    `token_file` and ``url`` is a URL of its endpoint (`endpoint`, default
+    https://huggingface.co) - the same scheme, host and port, as huggingface_hub decides where
+    its Authorization header goes, spelled as the endpoint (its path included) and without
+    user info. Every request that could carry the token asks this, per URL (each shard): the
+    download, the header read on this machine and the host's; a model given by `url:` never
+    gets it, wherever its host is. Across a redirect the token goes no further than the
+    request's own host: curl drops the header file's Authorization line on a redirect to
+    another host, scheme or port (no ``--location-trusted``), urllib an unredirected header
+    on every redirect."""
+    if not model.get("hf") or not model.get("token_file"):
+        return False
+    endpoint = (model.get("endpoint") or DEFAULT_ENDPOINT).rstrip("/")
+    if not isinstance(url, str) or not url.startswith(f"{endpoint}/"):
+        return False
+    try:
+        parts = urlsplit(url)
+        same = _origin(url) == _origin(endpoint)
+    except ValueError:
+        return False
+    return same and "@" not in parts.netloc and "\\" not in url
 
 
 def read_token(token_file: str) -> str:

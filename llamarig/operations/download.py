@@ -38,8 +38,10 @@ def fetch_checked(
     + dest: final path on the host
     + sha256: expected digest (lowercase hex)
     + header_file: a root-only file on the host of request headers (an Authorization line),
-      sent with ``curl -H @FILE``, so a token is never in an argv; curl drops it on a redirect
-      to another host or port (no ``--location-trusted``)
+      sent with ``curl -H @FILE``, so a token is never in an argv; give it only for a ``url``
+      the credential belongs to (the Hub token: ``reference.sends_hub_token``, decided per
+      shard), never for another host's; curl drops it on a redirect to another host, scheme
+      or port (no ``--location-trusted``)
     + records: the root-only directory of checksum records (``llamarig.checksums``)
 
     The download goes to ``dest.part`` (resumed with HTTP ranges after an interruption). A
@@ -131,9 +133,10 @@ def fetch_command(
     records: str = checksums.RECORD_DIRECTORY,
 ) -> str:
     """The shell command of ``fetch_checked``: a resumable, checksummed download to ``dest``,
-    whose digest it records. With ``check_dest``, a file already at ``dest`` is hashed first
-    (and recorded) and kept when it matches. It writes the response headers (for the expected
-    size) and its phases to its output."""
+    whose digest it records; ``header_file`` (``fetch_checked``'s) goes with ``url`` alone.
+    With ``check_dest``, a file already at ``dest`` is hashed first (and recorded) and kept
+    when it matches. It writes the response headers (for the expected size) and its phases to
+    its output."""
     part = shlex.quote(dest + ".part")
     q_dest, q_url, q_lock = shlex.quote(dest), shlex.quote(url), shlex.quote(dest + ".lock")
     q_sha256 = shlex.quote(sha256)
