@@ -8,6 +8,7 @@ build: a wrong architecture list or a broken split shows as a wrong answer at fu
 from __future__ import annotations
 
 import json
+import math
 import re
 import shlex
 from dataclasses import dataclass, replace
@@ -99,12 +100,34 @@ def reply_text(chat: bool, body: str) -> str:
     """The generated text of a reply body (ValueError when it has none)."""
     try:
         reply = json.loads(body)
+        if not isinstance(reply, dict):
+            raise TypeError("not a JSON object")
         text = reply["choices"][0]["message"]["content"] if chat else reply["content"]
     except (ValueError, KeyError, IndexError, TypeError) as error:
         raise ValueError(f"no answer in the reply: {body[:QUOTED_ANSWER_CHARS]!r}") from error
     if not isinstance(text, str):
         raise ValueError(f"no answer in the reply: {body[:QUOTED_ANSWER_CHARS]!r}")
     return text
+
+
+def reply_speed(chat: bool, body: str) -> tuple[float, int | None]:
+    """The decode speed (tokens/s, 0 when not told) and the generated tokens of a reply body
+    that ``reply_text`` read: what the server says of them, only where it is a number."""
+    reply = json.loads(body)
+    timings, usage = reply.get("timings"), reply.get("usage")
+    speed = timings.get("predicted_per_second") if isinstance(timings, dict) else None
+    if chat:
+        tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    else:
+        tokens = reply.get("tokens_predicted")
+    return (
+        float(speed) if _number(speed) else 0.0,
+        tokens if isinstance(tokens, int) and not isinstance(tokens, bool) else None,
+    )
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def is_right(answer: Answer, text: str) -> bool:

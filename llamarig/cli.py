@@ -6,6 +6,7 @@ import argparse
 import copy
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -18,7 +19,8 @@ import yaml
 from llamarig import answers, hostpaths, render, status
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
 from llamarig.config.problems import Problem, located
-from llamarig.entry import host_entry, inventory_document, probe, render_entry
+from llamarig.config.ssh_trust import _host_key_known
+from llamarig.entry import ProbeError, host_entry, inventory_document, probe, render_entry
 from llamarig.gguf_header import GgufError
 from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import MODEL_NAME, model_views
@@ -26,7 +28,8 @@ from llamarig.model.lock import lock_path, record_header, resolved
 from llamarig.model.reference import HubError
 from llamarig.plan import HostPlan
 from llamarig.remote import Gathered, SshTarget, plan_for, run_on_host, shell_reader
-from llamarig.shapes import SHA256_HEX, address_problem, host_name_problem
+from llamarig.shapes import SHA256_HEX, address_problem, host_name_problem, url_problem
+from llamarig.text import printable
 from llamarig.tune import TuneError, tune_host
 from llamarig.verify import verify_host
 
@@ -121,6 +124,11 @@ def _complete(args: argparse.Namespace) -> int:
     status = 0
     for name, host_config in hosts.items():
         data = host_config.data
+        if data["role"] == "rpc-worker":
+            # A worker runs no llama-server: whatever listens at server.port there gets no key.
+            print(f"{name} is an rpc-worker: ask its head, which serves the model", file=sys.stderr)
+            status = 2
+            continue
         path, body = answers.greedy_request(args.prompt, args.chat, args.tokens)
         names = [view.name for view in model_views(data)]
         if args.model and args.model not in names:
@@ -142,22 +150,22 @@ def _complete(args: argparse.Namespace) -> int:
         if result.returncode != 0:
             print(
                 f"{name}: completion at {render.base_url(data)}{path} failed (bounded at "
-                f"{bounds.said('generation')}): {result.stderr.strip()}",
+                f"{bounds.said('generation')}): {printable(result.stderr.strip())}",
                 file=sys.stderr,
             )
             status = 1
             continue
-        reply = json.loads(result.stdout)
-        speed = reply.get("timings", {}).get("predicted_per_second", 0.0)
-        tokens = (
-            reply.get("usage", {}).get("completion_tokens")
-            if args.chat
-            else reply.get("tokens_predicted")
-        )
+        try:
+            text = answers.reply_text(args.chat, result.stdout)
+        except ValueError as error:
+            print(f"{name}: completion at {render.base_url(data)}{path}: {error}", file=sys.stderr)
+            status = 1
+            continue
+        speed, tokens = answers.reply_speed(args.chat, result.stdout)
         asked, said = ("question:", "answer:") if args.chat else ("prompt:", "completion:")
         print(f"{name}: endpoint {render.base_url(data)} (on the host)")
         print(f"  {asked:<12}{args.prompt!r}")
-        print(f"  {said:<12}{answers.reply_text(args.chat, result.stdout)!r}")
+        print(f"  {said:<12}{text!r}")
         print(f"  {tokens} tokens at {speed:.1f} tokens/s (greedy)")
     return status
 
@@ -175,6 +183,7 @@ def _status(args: argparse.Namespace) -> int:
         return 2
     window = args.watch or args.window
     while True:
+        started = time.monotonic()
         try:
             rows = status.statuses(hosts, window)
         except KeyboardInterrupt:  # the way out of --watch
@@ -187,6 +196,12 @@ def _status(args: argparse.Namespace) -> int:
         if not args.watch:
             return 0 if all(map(status.healthy, rows)) else 1
         print(flush=True)
+        # A host that answers sleeps through the window itself; one that does not answers at
+        # once, and is asked again only when the interval is up (not in a tight loop).
+        try:
+            status.wait_out(started, args.watch)
+        except KeyboardInterrupt:
+            return 130
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -226,11 +241,14 @@ MODEL_HINT = (
 
 
 INIT_REACH_TIMEOUT_S = 60
+# A login name as the loader takes `ssh.user` (llamarig/shapes.py): never an ssh option.
+LOGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 def _init_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with init's own arguments, found before the box is contacted."""
     problems = []
+    address = None
     if args.address:
         address = address_problem(args.address, "--port", "--user")
         if address:
@@ -239,9 +257,37 @@ def _init_problems(args: argparse.Namespace) -> list[str]:
         problems.append("give the box's address (--address HOST) or --local")
     if not 0 < args.port < 65536:
         problems.append(f"--port: {args.port} is not a TCP port (1-65535)")
+    if "@" in args.user:
+        problems.append(f"--user: '{printable(args.user)}' holds an address: give it in --address")
+    elif not LOGIN_NAME.fullmatch(args.user):
+        problems.append(
+            f"--user: '{printable(args.user)}' is not a login name (letters, digits, `_`, `.`, "
+            "`-`; not starting with `-`), e.g. root"
+        )
     for flag, value in (("--key", args.key), ("--known-hosts", args.known_hosts)):
         if value and not Path(os.path.expanduser(value)).is_file():
-            problems.append(f"{flag}: there is no file {value}")
+            problems.append(f"{flag}: there is no file {printable(value)}")
+    if (
+        args.known_hosts
+        and args.address
+        and not address
+        and 0 < args.port < 65536
+        and Path(os.path.expanduser(args.known_hosts)).is_file()
+    ):
+        # ssh checks the key strictly: a file without it would fail only after the connection.
+        known = _host_key_known(os.path.expanduser(args.known_hosts), args.address, args.port)
+        if known is False:
+            name = args.address if args.port == 22 else f"[{args.address}]:{args.port}"
+            problems.append(
+                f"--known-hosts: {printable(args.known_hosts)} has no key for {name}, and init "
+                "checks host keys strictly: add the box's key first (docs/inventory.md, Enrolling "
+                f"a new box: `ssh-keyscan -p {args.port} {args.address}`, and compare the "
+                "fingerprint with the box's console)"
+            )
+    if args.model:
+        model = url_problem(args.model, ("http", "https"), "download over https")
+        if model:
+            problems.append(f"--model: {model}")
     if args.model and not args.sha256:
         problems.append("--model needs --sha256: the model file's sha256 (sha256sum FILE)")
     if args.sha256 and not SHA256_HEX.fullmatch(args.sha256):
@@ -254,12 +300,15 @@ def _init_problems(args: argparse.Namespace) -> list[str]:
         target = Path(args.output)
         if target.is_dir():
             problems.append(
-                f"--output: {target} is a directory: give a file, e.g. {target}/rig.yml"
+                f"--output: {printable(target)} is a directory: give a file, e.g. "
+                f"{printable(target)}/rig.yml"
             )
         elif not target.parent.is_dir():
-            problems.append(f"--output: there is no directory {target.parent} to write it in")
+            problems.append(
+                f"--output: there is no directory {printable(target.parent)} to write it in"
+            )
         elif target.exists() and not args.force:
-            problems.append(f"--output: {target} exists (pass --force to replace it)")
+            problems.append(f"--output: {printable(target)} exists (pass --force to replace it)")
     return problems
 
 
@@ -274,6 +323,7 @@ def _init(args: argparse.Namespace) -> int:
     else:
         ssh = {"host": args.address, "user": args.user, "port": args.port}
         ssh.update({k: v for k, v in (("key", args.key), ("known_hosts", args.known_hosts)) if v})
+    box = f"{args.name} ({args.address or 'this machine'})"
     # A box that does not answer would read as one without GPUs: say so instead.
     try:
         reached = run_on_host({"ssh": ssh}, "true", timeout=INIT_REACH_TIMEOUT_S)
@@ -284,11 +334,23 @@ def _init(args: argparse.Namespace) -> int:
     if failure:
         print(
             f"llamarig init: cannot run a command on {args.address or 'this machine'} "
-            f"({failure}); nothing was written",
+            f"({printable(failure)}); nothing was written",
             file=sys.stderr,
         )
         return 1
-    found = probe(shell_reader({"ssh": ssh}))
+    # What the box prints is untrusted: a value the entry cannot hold is refused by name.
+    try:
+        found = probe(shell_reader({"ssh": ssh}))
+    except ProbeError as error:
+        print(f"llamarig init: {box}: {error}; nothing was written", file=sys.stderr)
+        return 2
+    except subprocess.TimeoutExpired as error:
+        print(
+            f"llamarig init: {box}: no answer within {error.timeout:g} s while it was probed; "
+            "nothing was written",
+            file=sys.stderr,
+        )
+        return 1
     settings = host_entry(ssh, found)
     if args.model:
         settings["model"] = {"url": args.model, "sha256": args.sha256}

@@ -15,6 +15,7 @@ import json
 import re
 import shlex
 import subprocess
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -25,6 +26,7 @@ from llamarig.model.catalog import is_router, model_views
 from llamarig.model.reference import HubError
 from llamarig.progress import format_duration
 from llamarig.remote import SshTarget, host_plan
+from llamarig.text import printable
 
 CONNECT_TIMEOUT_S = 10
 # The command's own bound beyond its window and its requests to the server (each within the
@@ -343,6 +345,15 @@ def host_status(host_config: HostConfig, window: float) -> HostStatus:
     return row
 
 
+def wait_out(started: float, interval: float, clock=time.monotonic, sleep=time.sleep) -> None:
+    """Sleep until ``interval`` seconds have passed since ``started`` (a ``clock`` reading):
+    `--watch` asks once per interval whether or not the hosts answered (a host that does not
+    answer returns at once; one that does slept through its window on the host)."""
+    left = started + interval - clock()
+    if left > 0:
+        sleep(left)
+
+
 def statuses(hosts: dict[str, HostConfig], window: float) -> list[HostStatus]:
     """Every host's row, asked at once, in the inventory's order."""
     if not hosts:
@@ -352,9 +363,10 @@ def statuses(hosts: dict[str, HostConfig], window: float) -> list[HostStatus]:
 
 
 def report(row: HostStatus) -> str:
-    """The row as lines for a terminal."""
+    """The row as lines for a terminal: each line escaped (``llamarig.text``), since most of it
+    is what the box printed."""
     if row.error:
-        return f"{row.host}: {row.error}"
+        return printable(f"{row.host}: {row.error}")
     state = f"{row.unit} {row.active}"
     if row.uptime_s is not None:
         state += f" for {format_duration(row.uptime_s)}"
@@ -401,7 +413,7 @@ def report(row: HostStatus) -> str:
         lines.append(
             f"  deploy   {deploy['finished']}: failed at {deploy['failed_operation']!r}{rolled}"
         )
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def as_json(rows: list[HostStatus]) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import json
 import shlex
+import subprocess
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -36,6 +37,7 @@ from llamarig.model.lock import resolved
 from llamarig.model.reference import HubError
 from llamarig.plan import HostPlan, plan_host, roofline_tps
 from llamarig.remote import plan_for, run_on_host, shell_reader
+from llamarig.text import printable
 
 UBATCH_SIZES = (256, 512, 1024)
 RATIO_STEP = 0.05
@@ -608,6 +610,36 @@ def _leaves(settings: dict, prefix: tuple) -> list[tuple[tuple, object]]:
     return found
 
 
+# How long the host has to run `true` before tune says it does not answer.
+REACH_TIMEOUT_S = 60
+
+
+def _where(data: dict) -> str:
+    return "this machine" if data["ssh"].get("local") else data["ssh"]["host"]
+
+
+def _last_line(stderr: str, status: int) -> str:
+    """What a command that failed said last (escaped), or its exit status."""
+    return printable((stderr.strip().splitlines() or [f"exit status {status}"])[-1])
+
+
+def _answers(name: str, data: dict) -> None:
+    """Nothing when the host runs a command; else a TuneError naming the host and what
+    failed (a host that does not answer is not one without llama-server)."""
+    try:
+        result = run_on_host(data, "true", timeout=REACH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise TuneError(
+            f"{name}: {_where(data)} did not answer within {REACH_TIMEOUT_S} s; nothing was "
+            "measured"
+        ) from None
+    if result.returncode != 0:
+        raise TuneError(
+            f"{name}: {_where(data)} did not answer "
+            f"({_last_line(result.stderr, result.returncode)}); nothing was measured"
+        )
+
+
 def tune_host(
     host_config: HostConfig,
     inventory: Path,
@@ -636,6 +668,7 @@ def tune_host(
         data = resolved(host_config.data)  # a Hugging Face reference as the deploy fetched it
     except HubError as error:
         raise TuneError(f"{name}: {'.'.join(error.key_path)}: {error.message}") from None
+    _answers(name, data)  # else every probe below reads as "nothing there"
     plan, gathered = plan_for(name, data, shell_reader(data))
     inputs = gathered.plan_inputs()
     if not plan.fits:
@@ -647,8 +680,13 @@ def tune_host(
 
     binary = "llama-bench" if goal == "decode" else "llama-server"
     bench = f"{render.layout(plan.resolved)['current']}/bin/{binary}"
-    if run(f"test -x {shlex.quote(bench)}", 120)[0]:
+    there, _, said = run(f"test -x {shlex.quote(bench)}", 120)
+    if there == 1:
         raise TuneError(f"{name}: {bench} is not there: deploy with {binary} in the targets")
+    if there:
+        raise TuneError(
+            f"{name}: cannot run a command on {_where(data)}: {_last_line(said, there)}"
+        )
     cpu_count = int(run("nproc", 120)[1].strip() or 1)
     tuned_file = tuned_path(inventory, name)
     sweep_file = tuned_file.with_name(f".{name}.sweep.json")

@@ -156,7 +156,11 @@ def test_init_checks_its_own_arguments_before_contacting_the_box(tmp_path, argum
 
 def test_init_that_cannot_reach_the_box_fails_and_writes_nothing(tmp_path):
     known_hosts = tmp_path / "known_hosts"
-    known_hosts.write_text("")
+    # A key for the box, so the arguments pass and the failure is the connection's.
+    known_hosts.write_text(
+        "[127.0.0.1]:2299 ssh-ed25519 "
+        "AAAAC3NzaC1lZDI1NTE5AAAAIOMqqnkVzrm0SdG6UOoqKLsabgH5C9okWi0dh2l9GKJl\n"
+    )
     output = tmp_path / "rig.yml"
     # In its own network namespace: nothing listens on 127.0.0.1 there.
     result = _init(

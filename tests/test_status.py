@@ -184,3 +184,22 @@ def test_the_deploy_record_is_written_whole_and_read_back(tmp_path):
     assert read["finished"] == "2026-12-03T14:02:11Z" and read["outcome"] == "failed"
     assert not (tmp_path / "rolled-back").exists()
     assert deploy_record.parse("") is None and deploy_record.parse('{"outcome": 1}') is None
+
+
+def test_what_a_hostile_box_prints_reaches_the_terminal_escaped():
+    # Every field of a row but the counts is the box's own text: a build link, a model state,
+    # the server's or ssh's last words. None of their escape sequences reaches the terminal.
+    row = status.HostStatus(
+        host="rig1",
+        unit="llama-server.service",
+        active="active/running\x1b[2J",
+        build_running="0c1e57098bba\x1b]0;pwned\x07",
+        models={"qwen\u202e": "loaded\nforged: line"},
+        server_note="curl: (7) \x9b31m",
+    )
+    text = status.report(row)
+    assert not any(ch in text for ch in "\x1b\x07\x9b\u202e"), ascii(text)
+    assert "\\x1b[2J" in text and "\\u202e" in text and "loaded\\nforged: line" in text
+    assert len(text.splitlines()) == 5  # the forged line stays in its own
+    unreachable = status.HostStatus(host="rig1", error="not reachable: ssh: \x1b[1;31mboom")
+    assert status.report(unreachable) == "rig1: not reachable: ssh: \\x1b[1;31mboom"
