@@ -32,6 +32,7 @@ from llamarig.memory import (
     plan_memory,
 )
 from llamarig.model.catalog import ModelView, with_views
+from llamarig.text import printable
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
 DEFAULT_DRAFT_MAX = 3
@@ -247,23 +248,31 @@ class HostPlan:
                 options = render.model_options(model.plan.resolved)
                 flat = [part for option in options for part in option if part is not None]
                 model_file = render.layout(model.plan.resolved)["model"]
-                lines.append(
-                    f"  preset [{model.view.name}]: " + render.shell_join(["-m", model_file, *flat])
-                )
+                joined = render.shell_join(["-m", model_file, *flat])
+                lines.append(f"  preset [{model.view.name}]: {printable(joined)}")
         return lines
 
     def report(self) -> str:
-        """The plan as a person reads it."""
+        """The plan as a person reads it: every line shown with control and format
+        characters escaped (``text.printable``), since its values come from the rig data, the
+        lock and a probed box (a GPU's name, a file name decoded from a URL); a multi-line
+        error (the memory table) keeps its own lines."""
+        return "\n".join(
+            printable(line) for entry in self._report_lines() for line in entry.split("\n")
+        )
+
+    def _report_lines(self) -> list[str]:
         server = self.resolved["server"]
         verdict = "REFUSED" if not self.fits else "PROVISIONAL" if self.blind else "fits"
         lines = [f"== {self.host}: {verdict}"]
         if self.provisional:
             lines.append(f"  {self.provisional}")
         for index, gpu in enumerate(self.gpus):
+            # A probed GPU's fields are what the box printed: escaped, a line break too.
             lines.append(
-                f"  GPU {index} ({self.gpu_source}): {gpu['name']}, {gpu['vram_mib']} MiB, "
-                f"compute {gpu['compute_capability']}"
-                + (f", {gpu['bus_id']}" if gpu.get("bus_id") else "")
+                f"  GPU {index} ({self.gpu_source}): {printable(gpu['name'])}, "
+                f"{printable(gpu['vram_mib'])} MiB, compute {printable(gpu['compute_capability'])}"
+                + (f", {printable(gpu['bus_id'])}" if gpu.get("bus_id") else "")
             )
         if self.cuda_architectures:
             lines.append(f"  CUDA architectures: {self.cuda_architectures}")
@@ -284,13 +293,12 @@ class HostPlan:
         lines.extend(f"  warning: {warning}" for warning in self.warnings)
         lines.extend(f"  note: {note}" for note in self.notes)
         if self.resolved["role"] == "rpc-worker":
-            lines.append(
-                "  ggml-rpc-server: " + render.shell_join(render.rpc_server_args(self.resolved))
-            )
+            rpc_args = render.shell_join(render.rpc_server_args(self.resolved))
+            lines.append(f"  ggml-rpc-server: {printable(rpc_args)}")
         elif self.server_args_ready:
-            lines.append("  llama-server: " + render.shell_join(self.server_args))
-        lines.append("  cmake: " + render.shell_join(self.cmake_args))
-        return "\n".join(lines)
+            lines.append(f"  llama-server: {printable(render.shell_join(self.server_args))}")
+        lines.append(f"  cmake: {printable(render.shell_join(self.cmake_args))}")
+        return lines
 
 
 # --- a rig of several models (`models:`, llama-server's router mode): each model planned as a

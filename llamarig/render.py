@@ -19,6 +19,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from llamarig import project_dir
 from llamarig.config import model_filename
 from llamarig.config.addresses import local_url
+from llamarig.config.numbers import C_FLOAT, C_INT
 from llamarig.config.rules import PRESET_UNSAFE
 from llamarig.hardware import cuda_architectures
 from llamarig.hostpaths import (
@@ -196,9 +197,9 @@ def router_args(data: dict) -> list[str]:
     # null: no bound of its own (the plan counts all of them); a number, not 0 (unlimited),
     # which the pinned router refuses beside a model loaded at startup, and not the count of
     # models, which would change the unit, and restart the router, when one is added.
-    args += ["--models-max", str(server["models_max"] or MAX_MODELS)]
+    args += ["--models-max", _integer(server["models_max"] or MAX_MODELS)]
     if server["idle_unload_seconds"]:
-        args += ["--sleep-idle-seconds", str(server["idle_unload_seconds"])]
+        args += ["--sleep-idle-seconds", _integer(server["idle_unload_seconds"])]
     if server["metrics"]:
         args.append("--metrics")
     args += server["extra_args"]
@@ -273,9 +274,9 @@ def model_options(data: dict) -> list[tuple[str, str | None]]:
     # Short flags, as in llama.cpp's docs and the seed articles.
     options: list[tuple[str, str | None]] = [
         ("-c", str(server["ctx"])),
-        ("-np", str(server["parallel"])),
-        ("-b", str(server["batch"])),
-        ("-ub", str(server["ubatch"])),
+        ("-np", _integer(server["parallel"])),
+        ("-b", _integer(server["batch"])),
+        ("-ub", _integer(server["ubatch"])),
         ("-ctk", server["cache_type_k"]),
         ("-ctv", server["cache_type_v"]),
         ("-lm", server["load_mode"]),
@@ -301,11 +302,11 @@ def model_options(data: dict) -> list[tuple[str, str | None]]:
     if server["backend_sampling"]:
         options.append(("-bs", None))
     if server["threads"]:
-        options.append(("-t", str(server["threads"])))
+        options.append(("-t", _integer(server["threads"])))
     if server["spec"]["type"]:
         options.append(("--spec-type", ",".join(server["spec"]["type"])))
     if server["spec"]["draft_max"] is not None:
-        options.append(("--spec-draft-n-max", str(server["spec"]["draft_max"])))
+        options.append(("--spec-draft-n-max", _integer(server["spec"]["draft_max"])))
     if server["chat_template_kwargs"]:
         kwargs = json.dumps(server["chat_template_kwargs"], separators=(",", ":"), sort_keys=True)
         options.append(("--chat-template-kwargs", kwargs))
@@ -404,7 +405,24 @@ def translate_renamed(args: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _number(value: float) -> str:
-    return str(int(value)) if float(value).is_integer() else str(value)
+    """A float option as llama.cpp reads it (std::stof): a whole number without a fraction,
+    else Python's shortest repr (``0.7``, ``1e-05``), which strtof reads. A value std::stof
+    throws on (not 0 or a normal C float: ``1e-300`` underflows, ``1e39`` overflows) is never
+    written: the loader refuses it first (config.numbers)."""
+    if not C_FLOAT.holds(value):
+        raise ValueError(
+            f"{value!r} is not a normal C float, and std::stof cannot read it (the loader "
+            "refuses it: config.numbers)"
+        )
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def _integer(value: int) -> str:
+    """An integer option as llama.cpp reads it (std::stoi); one beyond a C int is never
+    written: the loader refuses it first (config.numbers)."""
+    if not C_INT.holds(value):
+        raise ValueError(f"{value} is beyond a C int, and std::stoi cannot read it")
+    return str(value)
 
 
 def _systemd_c_quoted(text: str) -> str:

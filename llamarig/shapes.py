@@ -14,7 +14,7 @@ import posixpath
 import re
 import unicodedata
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 from llamarig.model.files import url_file_name
 
@@ -49,6 +49,15 @@ def _invisible(character: str) -> bool:
     """Control and format characters, and every space and line break but the plain space."""
     category = unicodedata.category(character)
     return category in ("Cc", "Cf", "Zl", "Zp") or (category == "Zs" and character != " ")
+
+
+def invisible_characters(text: str) -> str:
+    """For a value refused for its form: the first control or format character in it (the
+    reason a value that looks right is wrong), named, or ""."""
+    bad = next((ch for ch in text if _invisible(ch)), None)
+    if bad is None:
+        return ""
+    return f" (it contains {describe_character(bad)}; remove it)"
 
 
 def foreign_characters(text: str) -> str:
@@ -179,6 +188,25 @@ def address_problem(
     return _host_name_problem(value)
 
 
+def decoded_invisible(value: str) -> str | None:
+    """What a URL holds percent-encoded that a setting may not hold typed: a control or format
+    character (``%00``, ``%1B``, ``%C2%85``, ``%E2%80%AE``) decodes into the file's name on
+    the host and into what is printed, where it ends a line, rewrites the terminal or reorders
+    text. Named by its code point and the escape that holds it, or None."""
+    decoded = unquote(value, errors="replace")
+    bad = next((ch for ch in decoded if _invisible(ch)), None)
+    if bad is None:
+        return None
+    encoded = quote(bad, safe="")  # as the URL spells it, if it does (%1b or %1B)
+    at = value.lower().find(encoded.lower())
+    spelled = value[at : at + len(encoded)] if at >= 0 else encoded
+    return (
+        f"{value!r} holds {spelled}, which percent-decodes to {describe_character(bad)}; "
+        "decoded, a URL becomes the model file's name and what llamarig prints, one line of "
+        "visible text: remove it"
+    )
+
+
 def url_problem(value: str, schemes: tuple[str, ...], scheme_fix: str) -> str | None:
     """What keeps ``value`` from being a URL of one of ``schemes`` with a host, or None."""
     if any(ch.isspace() for ch in value):
@@ -186,6 +214,9 @@ def url_problem(value: str, schemes: tuple[str, ...], scheme_fix: str) -> str | 
     if not _URL_CHARACTERS.match(value):
         bad = next(ch for ch in value if not _URL_CHARACTERS.match(ch))
         return f"{value!r} contains {bad!r}, which a URL cannot hold as it is; percent-encode it"
+    decoded = decoded_invisible(value)
+    if decoded:
+        return decoded
     try:
         parts = urlsplit(value)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
@@ -258,7 +289,14 @@ def local_path_problem(value: str) -> str | None:
 
 
 def file_name_problem(name: str) -> str | None:
-    """A model's file name under paths.models: any text but a path, an option or `.`/`..`."""
+    """A model's file name under paths.models: any visible text but a path, an option or
+    `.`/`..`. Checked as it lands on the disk: a name taken from a URL, decoded."""
+    bad = next((ch for ch in name if _invisible(ch)), None)
+    if bad is not None:
+        return (
+            f"{name!r} contains {describe_character(bad)}; a file name is one line of "
+            "visible text: remove it"
+        )
     if "/" in name:
         return f"{name!r} is a path; give only the file name (the directory is `paths.models`)"
     if name in (".", ".."):

@@ -311,7 +311,7 @@ CASES = [
     Case(
         "format-character-in-a-key",
         host('server: {env: {"GREETING\\u2060": "a"}}'),
-        "hosts.rig1.server.env.GREETING\u2060",
+        "hosts.rig1.server.env.GREETING\\u2060",
         ("contains U+2060 WORD JOINER",),
     ),
     Case(

@@ -10,6 +10,7 @@ reproducible), without a deadline (a slow CI machine must not fail a property)."
 from __future__ import annotations
 
 import copy
+import struct
 import tempfile
 import unicodedata
 from pathlib import Path
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 from jsonschema import Draft202012Validator
 
+from llamarig import render
 from llamarig.config import (
     ConfigError,
     connection_problems,
@@ -279,3 +281,231 @@ def test_any_file_content_loads_or_is_refused(scratch, content):
     else:
         path.write_text(content, encoding="utf-8", errors="surrogatepass")
     loads_or_refuses(path)
+
+
+# --- issue 53: text that decodes to what the loader refuses, and numbers at the C types' edges.
+# Cheaper than the properties above: each draws one change to one valid host.
+EDGES = settings(PROPERTY, max_examples=60)
+INT_MAX = 2**31 - 1
+FLT_MIN = struct.unpack("<f", struct.pack("<I", 0x00800000))[0]
+FLT_MAX = struct.unpack("<f", struct.pack("<I", 0x7F7FFFFF))[0]
+
+# What a setting may not hold, typed or encoded: control and format characters, and every
+# space and line break but the plain space (shapes._invisible).
+invisible = st.characters(categories=["Cc", "Cf", "Zl", "Zp", "Zs"]).filter(lambda ch: ch != " ")
+
+
+def _percent_encoded(character: str, lower: bool) -> str:
+    encoded = "".join(f"%{byte:02X}" for byte in character.encode("utf-8"))
+    return encoded.lower() if lower else encoded
+
+
+def _put(data: Any, path: tuple, value: Any) -> None:
+    """``value`` at ``path`` in ``data``, through mappings (made where missing) and lists."""
+    for key in path[:-1]:
+        data = data[key] if isinstance(data, list) else data.setdefault(key, {})
+    data[path[-1]] = value
+
+
+def _problems(path: Path) -> list[str]:
+    try:
+        load_inventory(path)
+    except ConfigError as error:
+        return error.problems
+    return []
+
+
+def _router(host: dict, url: str) -> dict:
+    """``host`` serving two models, the first from ``url``."""
+    router = copy.deepcopy(host)
+    router.pop("model")
+    router["llama_cpp"] = {"backend": "cpu"}
+    router["server"] = {"threads": 2, "split_mode": "none"}
+    router["models"] = [
+        {"name": "a", "url": url, "sha256": "a" * 64},
+        {"name": "b", "path": "/srv/models/b.gguf"},
+    ]
+    return router
+
+
+@EDGES
+@given(
+    character=invisible,
+    lower=st.booleans(),
+    part=st.sampled_from(["name", "directory", "query", "fragment"]),
+    encoded=st.booleans(),
+    in_router=st.booleans(),
+)
+def test_a_url_that_holds_an_invisible_character_encoded_or_escaped_is_refused(
+    scratch, character, lower, part, encoded, in_router
+):
+    """Typed (YAML writes it as an escape) or percent-encoded, in any part of a model's URL:
+    refused, naming the key and the code point."""
+    text = _percent_encoded(character, lower) if encoded else character
+    url = {
+        "name": f"https://example.org/models/m{text}.gguf",
+        "directory": f"https://example.org/m{text}/m.gguf",
+        "query": f"https://example.org/m.gguf?revision={text}",
+        "fragment": f"https://example.org/m.gguf#{text}",
+    }[part]
+    host = copy.deepcopy(VALID_HOST)
+    if in_router:
+        host, key = _router(host, url), "hosts.rig1.models.0.url: "
+    else:
+        host["model"]["url"], key = url, "hosts.rig1.model.url: "
+    problems = _problems(write_yaml(scratch, {"all": {"hosts": {"rig1": host}}}))
+    code_point = f"U+{ord(character):04X}"
+    assert any(key in p and code_point in p for p in problems), problems
+    # The refusal shows the character escaped, never raw.
+    assert all(p.isprintable() for p in problems), problems
+
+
+@EDGES
+@given(
+    character=invisible,
+    key=st.sampled_from(
+        [("server", "alias"), ("model", "filename"), ("paths", "models"), ("server", "service")]
+    ),
+)
+def test_a_string_that_holds_an_escaped_invisible_character_is_refused(scratch, character, key):
+    host = copy.deepcopy(VALID_HOST)
+    value = {"alias": "m{}x", "filename": "m{}.gguf", "models": "/srv/m{}", "service": "l{}s"}
+    _put(host, key, value[key[-1]].format(character))
+    problems = _problems(write_yaml(scratch, {"all": {"hosts": {"rig1": host}}}))
+    named = f"hosts.rig1.{'.'.join(key)}: "
+    assert any(named in p and f"U+{ord(character):04X}" in p for p in problems), problems
+    assert all(p.isprintable() for p in problems), problems
+
+
+# Each integer key that reaches a command line as text, where on a host it is set, and what
+# else the host needs for the key to be used.
+INT_KEYS = {
+    ("server", "batch"): {},
+    ("server", "ubatch"): {},
+    ("server", "threads"): {},
+    ("server", "gpu_layers"): {},
+    ("server", "spec", "draft_max"): {("server", "spec", "type"): ["ngram-mod"]},
+    ("llama_cpp", "jobs"): {},
+    ("server", "start_timeout"): {},
+    ("server", "models_max"): "router",
+    ("server", "idle_unload_seconds"): "router",
+    ("models", 1, "server", "batch"): "router",
+    ("models", 1, "server", "parallel"): "router",
+}
+# The flags llama.cpp reads with std::stoi (-ts and the sampling floats with std::stof).
+STOI_FLAGS = {
+    "--port", "-c", "-np", "-b", "-ub", "-ngl", "-t", "--spec-draft-n-max", "--top-k",
+    "--models-max", "--sleep-idle-seconds", "-p",
+}  # fmt: skip
+STOF_FLAGS = {
+    "-ts", "--temp", "--top-p", "--min-p", "--repeat-penalty", "--presence-penalty",
+    "--frequency-penalty",
+}  # fmt: skip
+
+
+def _read_as_llama_cpp_does(args: list[str]) -> None:
+    """Every value of a numeric option in ``args`` read as llama.cpp reads it (raises where
+    std::stoi or std::stof would throw)."""
+    from tests.test_bad_input_numbers import std_stof, std_stoi
+
+    for flag, value in zip(args, args[1:], strict=False):
+        if flag in STOI_FLAGS and value not in ("auto", "all"):
+            std_stoi(value)
+        elif flag in STOF_FLAGS:
+            for part in value.split(","):
+                std_stof(part)
+
+
+def _rendered(data: dict) -> list[str]:
+    """Every command line and preset option the rig's llama-server gets, flattened."""
+    if data.get("models"):
+        return render.server_args(data) + [
+            part
+            for section in render.preset_sections(data)
+            for key, value in section["options"]
+            for part in (f"-{key}" if len(key) <= 3 else f"--{key}", value)
+        ]
+    return render.server_args(data)
+
+
+@EDGES
+@given(
+    key=st.sampled_from(list(INT_KEYS)),
+    value=st.sampled_from([INT_MAX, INT_MAX + 1, 2**32, 2**63, 10**30])
+    | st.integers(min_value=INT_MAX - 3, max_value=INT_MAX + 3),
+)
+def test_an_integer_is_accepted_up_to_a_c_int_and_refused_beyond(scratch, key, value):
+    """2^31-1 loads and renders as std::stoi reads it; 2^31 and beyond is refused by name."""
+    host = copy.deepcopy(VALID_HOST)
+    host["server"].update(split_mode="layer", ctx=4096)
+    needs = INT_KEYS[key]
+    if needs == "router":
+        host = _router(host, "https://example.org/a.gguf")
+        host["models"][1]["server"] = {"ctx": 2048}
+    else:
+        for path, setting in needs.items():
+            _put(host, path, setting)
+    _put(host, key, value)
+    path = write_yaml(scratch, {"all": {"hosts": {"rig1": host}}})
+    named = f"hosts.rig1.{'.'.join(map(str, key))}: "
+    if key[-1] == "parallel":  # also llama.cpp's most sequences (256): refused at any of these
+        assert any(named in p for p in _problems(path))
+        return
+    if value > INT_MAX:
+        problems = _problems(path)
+        assert any(named in p and "at most 2147483647" in p for p in problems), problems
+        event("refused beyond a C int")
+        return
+    event("loaded within a C int")
+    data = load_inventory(path).hosts["rig1"].data
+    _read_as_llama_cpp_does(_rendered(data))
+
+
+def _next_float32(value: float, up: bool) -> float:
+    """The float32 next to ``value`` (a float32), toward +inf or -inf."""
+    bits = struct.unpack("<I", struct.pack("<f", value))[0]
+    return struct.unpack("<f", struct.pack("<I", bits + (1 if up == (value >= 0) else -1)))[0]
+
+
+FLOAT_KEYS = [
+    ("server", "sampling", "temperature"),
+    ("server", "sampling", "top_p"),
+    ("server", "sampling", "min_p"),
+    ("server", "sampling", "repeat_penalty"),
+    ("server", "sampling", "presence_penalty"),
+    ("server", "sampling", "frequency_penalty"),
+    ("server", "tensor_split", 0),
+]
+EDGE_FLOATS = [
+    0.0, FLT_MIN, -FLT_MIN, FLT_MIN * 0.5, -FLT_MIN * 0.5, _next_float32(FLT_MIN, up=False),
+    5e-324, 1e-300, 1.0e-38, 1.2e-38, FLT_MAX, _next_float32(FLT_MAX, up=False), 1e39,
+    FLT_MAX * (1 + 2**-20), 0.5, 1e-5,
+]  # fmt: skip
+
+
+def _normal_float32(value: float) -> bool:
+    return value == 0 or FLT_MIN <= abs(value) <= FLT_MAX
+
+
+@EDGES
+@given(key=st.sampled_from(FLOAT_KEYS), value=st.sampled_from(EDGE_FLOATS) | st.floats())
+def test_a_float_is_accepted_only_as_a_normal_c_float(scratch, key, value):
+    """A value std::stof reads (0 or a normal float32) loads, if the key's range allows it,
+    and renders as std::stof reads it; one it throws on is refused by name."""
+    host = copy.deepcopy(VALID_HOST)
+    host["server"].update(split_mode="layer", tensor_split=[2, 3], ctx=4096)
+    _put(host, key, value)
+    path = write_yaml(scratch, {"all": {"hosts": {"rig1": host}}})
+    # A share is named by its index, or (by the schema) the list.
+    named = "hosts.rig1." + ".".join(str(part) for part in key if part != 0)
+    problems = _problems(path)
+    if not _normal_float32(value) or value != value:
+        assert any(named in p for p in problems), problems
+        event("refused: not a normal C float")
+        return
+    if problems:  # a C float, but outside the key's own range
+        assert any(named in p for p in problems), problems
+        event("refused: outside the key's range")
+        return
+    event("loaded")
+    _read_as_llama_cpp_does(_rendered(load_inventory(path).hosts["rig1"].data))

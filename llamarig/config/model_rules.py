@@ -14,6 +14,7 @@ from llamarig.model.files import (
 )
 from llamarig.model.reference import KEYS as HF_KEYS
 from llamarig.model.reference import HubError, read_token, validated
+from llamarig.text import printable
 
 SOURCES = ("url", "path", "hf")
 
@@ -102,12 +103,13 @@ def _split_problems(model: dict) -> list[Problem]:
                 Problem(
                     ("model", "sha256"),
                     f"is a list, which is for a split model (NAME-00001-of-0000N.gguf), but "
-                    f"{name} is one file: give its sha256 as one string",
+                    f"{printable(name)} is one file: give its sha256 as one string",
                 )
             ]
         return []
     _, number, count = parts
-    first = shard_names(name)[0]
+    # Names decoded from a URL are shown escaped (the URL's own check refuses what needs it).
+    first = printable(shard_names(name)[0])
     if number != 1:
         return [
             Problem(
@@ -131,7 +133,30 @@ def _split_problems(model: dict) -> list[Problem]:
             Problem(
                 ("model", "sha256"),
                 f"{first} is the first of {count} shards, but {given} given: list one sha256 "
-                f"per shard, in order ({', '.join(shard_names(name)[:2])}, ...)",
+                f"per shard, in order ({printable(', '.join(shard_names(name)[:2]))}, ...)",
             )
         )
+    return problems + _repeated_digest_problems(sha256)
+
+
+def _repeated_digest_problems(sha256: object) -> list[Problem]:
+    """Each shard of a split model holds its own part of the tensors: two shards with one
+    digest would be one file twice (a digest copied into the wrong place of the list)."""
+    if not isinstance(sha256, list):
+        return []
+    first_at: dict[str, int] = {}
+    problems = []
+    for index, digest in enumerate(sha256):
+        if not isinstance(digest, str):
+            continue  # the schema names it
+        earlier = first_at.setdefault(digest.lower(), index)
+        if earlier != index:
+            problems.append(
+                Problem(
+                    ("model", "sha256", index),
+                    f"is also sha256[{earlier}]: two shards cannot have the same content; give "
+                    f"each shard's own sha256, in order (sha256sum NAME-{index + 1:05d}-of-... "
+                    "prints it)",
+                )
+            )
     return problems

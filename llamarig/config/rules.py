@@ -14,6 +14,7 @@ from llamarig.config.addresses import WILDCARD_HOSTS, is_loopback
 from llamarig.config.contradictions import contradiction_problems
 from llamarig.config.expect import answer_problems
 from llamarig.config.model_rules import model_problems
+from llamarig.config.numbers import number_problems
 from llamarig.config.paths import expand_path, local_file_text
 from llamarig.config.problems import Problem, json_type
 from llamarig.config.versions import version_problems
@@ -202,6 +203,7 @@ def semantic_problems(data: dict) -> list[Problem]:
     ]
     problems += [Problem(*problem) for problem in llama_args.env_problems(server["env"], sampling)]
     problems += contradiction_problems(data)
+    problems += number_problems(data)
     problems += answer_problems(data)
     if not is_router(data):
         problems += [
@@ -349,7 +351,25 @@ def _models_problems(data: dict) -> list[Problem]:
                         "sha256: give one of them another `filename`",
                     )
                 )
-    return problems
+    return problems + _startup_problems(data)
+
+
+def _startup_problems(data: dict) -> list[Problem]:
+    """The models loaded at startup must fit under `models_max`: the router holds at most
+    that many at once, so loading one more at startup unloads another (the plan would count
+    a set of models that is never loaded together)."""
+    most = data["server"]["models_max"]
+    startup = [view.name for view in model_views(data) if view.load_on_startup]
+    if most is None or len(startup) <= most:
+        return []
+    return [
+        Problem(
+            ("server", "models_max"),
+            f"{most}, but {len(startup)} models load at startup ({', '.join(startup)}): the "
+            f"router holds at most {most} at once, so loading one unloads another; raise "
+            f"models_max to at least {len(startup)}, or set load_on_startup: false on some",
+        )
+    ]
 
 
 def _rpc_role_problems(data: dict) -> list[Problem]:

@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator, validators
 from llamarig.config.hosts import HostConfig
 from llamarig.config.paths import SCHEMA_PATH
 from llamarig.config.problems import Problem, did_you_mean, json_type, located, shown
-from llamarig.shapes import foreign_characters
+from llamarig.shapes import foreign_characters, invisible_characters
 
 
 @cache
@@ -86,7 +86,7 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         for key in extra:
             if isinstance(key, str):
                 hint = did_you_mean(key, allowed)
-                wrong = f"unknown key `{key}`{foreign_characters(key)}"
+                wrong = f"unknown key `{key}`{invisible_characters(key) or foreign_characters(key)}"
             else:
                 hint = f"keys are names such as {', '.join(allowed[:3])}"
                 wrong = f"the key {shown(key)} is {json_type(key)}, not a name"
@@ -103,7 +103,7 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         name = error.instance
         text = (
             f"the name {shown(name)} has the wrong form"
-            f"{foreign_characters(name) if isinstance(name, str) else ''}; expected a name "
+            f"{_named_characters(name) if isinstance(name, str) else ''}; expected a name "
             f"{_expected(error.schema)}"
         )
         return [located(host_config, Problem((*key_path, name), text))]
@@ -112,7 +112,7 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
     if error.validator == "enum":
         wrong = f"{shown(error.instance)} is not allowed"
         if isinstance(error.instance, str):
-            wrong += foreign_characters(error.instance)
+            wrong += _named_characters(error.instance)
         expected = description or "one of " + ", ".join(map(str, error.validator_value))
     elif error.validator == "type":
         if isinstance(error.instance, float) and not math.isfinite(error.instance):
@@ -125,6 +125,7 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
         wrong = f"{shown(error.instance)} has the wrong form"
         if "{" in error.validator_value:  # a fixed length, such as a checksum's or a commit's
             wrong += f" ({len(error.instance)} characters)"
+        wrong += invisible_characters(error.instance)
     elif error.validator in ("minimum", "exclusiveMinimum"):
         wrong = f"{shown(error.instance)} is out of range (below {error.validator_value})"
     elif error.validator in ("maximum", "exclusiveMaximum"):
@@ -146,6 +147,12 @@ def _describe_schema_error(host_config: HostConfig, error) -> list[str]:
     text = _known_mistake(key_path, error.validator, error.instance)
     text = text or (f"{wrong}; expected {expected}" if expected else wrong)
     return [located(host_config, Problem(key_path, text))]
+
+
+def _named_characters(text: str) -> str:
+    """What makes a string that looks right wrong: an invisible character, else a foreign
+    one (a Cyrillic а in `layer`), named; or ""."""
+    return invisible_characters(text) or foreign_characters(text)
 
 
 def _known_mistake(key_path: tuple, validator: str, value: Any) -> str | None:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from urllib.parse import unquote, urlsplit, urlunsplit
 
+from llamarig.text import printable
+
 _SPLIT = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
 
@@ -30,10 +32,10 @@ def numbering_problem(name: str) -> str | None:
     if not match or split_parts(name):
         return None
     number, count = int(match["no"]), int(match["count"])
+    first = f"{match['stem']}-00001-of-{max(count, 1):05d}.gguf"
     return (
-        f"{name} numbers shard {number} of {count}, which gguf-split never writes (shards are "
-        f"numbered from 1 to the count): name the first shard, "
-        f"{match['stem']}-00001-of-{max(count, 1):05d}.gguf"
+        f"{printable(name)} numbers shard {number} of {count}, which gguf-split never writes "
+        f"(shards are numbered from 1 to the count): name the first shard, {printable(first)}"
     )
 
 
@@ -53,7 +55,9 @@ def shard_count(name: str) -> int:
 
 def url_file_name(url: str) -> str:
     """The file name a URL names: its path's last part, percent-decoded (as a browser saves
-    it)."""
+    it). Decoded, it may hold what the URL could not hold typed (``%00``, ``%1B``): the loader
+    checks it decoded (shapes.file_name_problem, shapes.decoded_invisible), and a message
+    shows it through ``text.printable``."""
     try:
         path = urlsplit(url).path
     except ValueError:
