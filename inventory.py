@@ -1,17 +1,21 @@
 """pyinfra inventory: the hosts of the Ansible-style YAML file named by RIG_INVENTORY.
 
-Every host's data is merged over group_data/all.yml and validated before pyinfra connects;
-a mistake stops here with the file, the key path and the fix.
+Every host's data is merged over group_data/all.yml and validated before pyinfra connects,
+and models.lock.yml beside the inventory checked; a mistake stops here with the file, the key
+path (or the lock's entry) and the fix.
 """
 
 import sys
 
 from llamarig.config import ConfigError, connection_problems, load_inventory
+from llamarig.model.lock import lock_problems
 from llamarig.remote import pyinfra_host
 
 try:
     _inventory = load_inventory()
-    _problems = connection_problems(_inventory)
+    # models.lock.yml beside it too: a lock that is not one, or a record that lies, is refused
+    # here, before pyinfra connects (a dry run too).
+    _problems = connection_problems(_inventory) + lock_problems()
     if _problems:
         raise ConfigError(_problems)
 except ConfigError as _error:

@@ -18,6 +18,8 @@ from typing import Any, BinaryIO
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
+from llamarig.text import printable
+
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
@@ -336,6 +338,127 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# --- consistency of a header that was not read from its file (models.lock.yml's records) ---
+
+# GGML_MAX_NAME in ggml.h: gguf_init_from_file refuses a tensor name of this many bytes or more.
+MAX_NAME_BYTES = 64
+# The magic, the version and the two counts: the least a header holds before its data.
+_FIXED_HEADER_BYTES = 24
+_ANY_BLOCK = re.compile(r"(?:^|\.)blk\.(\d+)\.")
+_ATTENTION_TENSOR = re.compile(r"blk\.(\d+)\.attn_(q|k|v)\.weight")
+_SSM_CONV_TENSOR = re.compile(r"blk\.(\d+)\.ssm_conv1d\.weight")
+
+
+def tensor_table_problem(header: GgufHeader) -> str | None:
+    """What makes ``header``'s tensor table one that no GGUF file holds, or None - what
+    gguf_init_from_file checks at the pinned commit and ``read_gguf_header`` computes: an
+    alignment that is not a power of two or not general.alignment's (32 when absent), a data
+    section not aligned, a tensor name of GGML_MAX_NAME bytes or more, given twice or with
+    control characters (no tensor llama.cpp loads has one, and it refuses a file with a tensor
+    it does not load), a tensor whose byte count is not its shape's in its type, a tensor
+    that does not start where the ones before it end (in order, each padded to the
+    alignment). Checks one file alone (a shard of a split model too); names are shown with
+    control characters escaped."""
+    alignment = header.alignment
+    declared = header.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if alignment < 1 or alignment & (alignment - 1) or alignment != declared:
+        return (
+            f"its alignment is {alignment}, but general.alignment is {_shown(declared)} (a power "
+            f"of two, {DEFAULT_ALIGNMENT} when absent)"
+        )
+    if header.data_offset < _FIXED_HEADER_BYTES or header.data_offset % alignment:
+        return (
+            f"its data starts at byte {header.data_offset}, which is not a multiple of its "
+            f"alignment {alignment} past the header's {_FIXED_HEADER_BYTES} fixed bytes"
+        )
+    seen: set[str] = set()
+    expected = 0
+    for tensor in header.tensors:
+        name = printable(tensor.name)
+        length = len(tensor.name.encode("utf-8", "surrogateescape"))
+        if length >= MAX_NAME_BYTES:
+            return f"tensor {name} has a name of {length} bytes (ggml's most: {MAX_NAME_BYTES - 1})"
+        if tensor.name in seen:
+            return f"tensor {name} is recorded twice"
+        if not tensor.name.isprintable():  # llama.cpp's tensor names are plain text
+            return f"tensor {printable(repr(tensor.name))} has control characters in its name"
+        seen.add(tensor.name)
+        layout = GGML_TYPES.get(tensor.ggml_type)
+        if layout is not None and layout.block_size > 0 and layout.type_size > 0:
+            if tensor.shape[0] % layout.block_size:
+                return (
+                    f"tensor {name} has rows of {tensor.shape[0]} values, not whole "
+                    f"{layout.name} blocks of {layout.block_size}"
+                )
+            n_bytes = tensor.shape[0] // layout.block_size * layout.type_size
+            for dim in tensor.shape[1:]:
+                n_bytes *= dim
+            if tensor.n_bytes != n_bytes:
+                return (
+                    f"tensor {name} is recorded as {tensor.n_bytes} bytes, but its shape "
+                    f"{list(tensor.shape)} in {layout.name} is {n_bytes} bytes"
+                )
+        if tensor.offset != expected:
+            return (
+                f"tensor {name} starts at byte {tensor.offset} of the data, but the tensors "
+                f"before it end at byte {expected} (each padded to {alignment}): a GGUF file "
+                "holds them in order, one after the other"
+            )
+        expected += -(-tensor.n_bytes // alignment) * alignment
+    return None
+
+
+def model_problem(header: GgufHeader) -> str | None:
+    """What makes ``header`` (a whole model: one file, or a split model's shards merged) one
+    that cannot describe the model it claims, or None: a value ``check_shape`` refuses, an
+    architecture with control characters (no name llama.cpp knows), a block without any
+    tensor, an attention tensor beside no heads (``attention.head_count``/``head_count_kv``
+    0 for its block) or a key or value length of 0, an SSM convolution beside an
+    ``ssm.conv_kernel``, ``ssm.inner_size`` or ``ssm.state_size`` of 0. Lenient where the
+    tensors do not say: a layer with no attention tensors may have no heads (SSM hybrids)."""
+    architecture = header.metadata.get("general.architecture")
+    if isinstance(architecture, str) and not architecture.isprintable():
+        return f"general.architecture {printable(repr(architecture))} is not a name llama.cpp knows"
+    problem = header._shape_problem()
+    if problem:
+        return printable(problem)
+    arch, n_all = header.architecture, header.block_count
+    blocks = {int(found.group(1)) for t in header.tensors if (found := _ANY_BLOCK.search(t.name))}
+    missing = [block for block in range(n_all) if block not in blocks]
+    if missing:
+        others = f" (nor do {len(missing) - 1} other blocks)" if len(missing) > 1 else ""
+        return (
+            f"block {missing[0]} has no tensors{others}, but {arch}.block_count is {n_all}: "
+            f"every block from 0 to {n_all - 1} has its tensors"
+        )
+    for tensor in header.tensors:
+        attention = _ATTENTION_TENSOR.fullmatch(tensor.name)
+        if attention:
+            block, which = int(attention.group(1)), attention.group(2)
+            kind, heads = (
+                ("query", header.head_count_at(block))
+                if which == "q"
+                else ("KV", header.head_count_kv_at(block))
+            )
+            key = f"{arch}.attention.head_count{'' if which == 'q' else '_kv'}"
+            if heads < 1:
+                return f"tensor {tensor.name} needs {kind} heads, but {key} is 0 for block {block}"
+            length, what = (
+                (header.value_length, "value") if which == "v" else (header.key_length, "key")
+            )
+            if length < 1:
+                return (
+                    f"tensor {tensor.name} needs a {what} length, but it is 0 ({arch}."
+                    f"embedding_length {header.embedding_length} / {arch}.attention.head_count "
+                    f"{header.head_count_at(0)} of block 0, and no {arch}.attention.{what}_length)"
+                )
+        if _SSM_CONV_TENSOR.fullmatch(tensor.name):
+            for name in ("conv_kernel", "inner_size", "state_size"):
+                if getattr(header, f"ssm_{name}") < 1:
+                    return f"tensor {tensor.name} needs {arch}.ssm.{name}, but it is 0 or absent"
+    return None
+
+
 def _per_layer(value: int | list[int], layer: int) -> int:
     return int(value[layer]) if isinstance(value, list) else int(value)
 
@@ -545,6 +668,31 @@ def merge_split(headers: list[GgufHeader]) -> GgufHeader:
         first.source,
         first.digest,
     )
+
+
+def split_problem(headers: list[GgufHeader]) -> str | None:
+    """Why ``headers`` (a split model's shards', in order) are not one gguf-split set, as
+    ``merge_split`` refuses them but without its fix (the caller knows where the headers came
+    from); None when they are one set, or one file without split keys."""
+    if len(headers) == 1 and SPLIT_COUNT not in headers[0].metadata:
+        return None
+    count, total = len(headers), headers[0].metadata.get(SPLIT_TENSORS)
+    for index, header in enumerate(headers):
+        meta = header.metadata
+        found = (meta.get(SPLIT_NO), meta.get(SPLIT_COUNT), meta.get(SPLIT_TENSORS))
+        if found != (index, count, total):
+            return printable(
+                f"shard {index + 1} of {count} has {SPLIT_NO}={found[0]!r}, {SPLIT_COUNT}="
+                f"{found[1]!r}, {SPLIT_TENSORS}={found[2]!r}, where it must have {index}, "
+                f"{count}, {total!r}"
+            )
+    names = [t.name for header in headers for t in header.tensors]
+    if total != len(names) or len(set(names)) != len(names):
+        return (
+            f"{SPLIT_TENSORS} is {printable(repr(total))}, but the {count} shards hold "
+            f"{len(names)} tensors ({len(set(names))} distinct names)"
+        )
+    return None
 
 
 def read_gguf_header_file(path: str | Path) -> GgufHeader:

@@ -40,7 +40,7 @@ from llamarig.facts import (
 from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import is_router, served_data
 from llamarig.model.files import model_files
-from llamarig.model.lock import lock_path, resolved
+from llamarig.model.lock import LockError, lock_path, resolved
 from llamarig.model.reference import HubError
 from llamarig.packages import BUILD_DEPENDENCIES, build_tools
 from llamarig.plan import HostPlan
@@ -74,7 +74,10 @@ def plan() -> HostPlan:
     """The plan of the host being prepared: its GPUs (nvidia-smi, else PCI ids) and the model's
     GGUF header (read from the model's URL, else from the file on the host)."""
     if host.name not in _plans:
-        _plans[host.name], gathered = plan_for(host.name, rig(), known)
+        try:
+            _plans[host.name], gathered = plan_for(host.name, rig(), known)
+        except LockError as error:  # models.lock.yml: its message names the entry and the fix
+            refuse([error.message])
         for warning in gathered.warnings:
             host.noop(warning)
         _headers_read[host.name] = gathered.read, gathered.superseded

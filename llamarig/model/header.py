@@ -34,8 +34,15 @@ from llamarig.facts import FileHead, FileIdentity, Reader, UrlHead
 from llamarig.gguf_header import GgufError, GgufHeader, merge_split, read_gguf_header
 from llamarig.model import header_record
 from llamarig.model.files import ModelFile, model_files, shard_digests, sibling_paths, sibling_urls
-from llamarig.model.lock import declared_key, header_key, lock_path, recorded_header
+from llamarig.model.lock import (
+    declared_key,
+    header_key,
+    lock_path,
+    merged_records,
+    recorded_header,
+)
 from llamarig.model.reference import HubError, read_token, sends_hub_token
+from llamarig.text import printable
 
 HEADER_FIRST_READ = 8 << 20
 HEADER_MAX_READ = 256 << 20
@@ -162,21 +169,21 @@ def find_model_header(found: FoundHeader, data: dict, reader: Reader | None) -> 
     contacted). A header read from the file that the lock does not hold (or holds with another
     digest) goes to ``found.read``, to be recorded.
     A file with no sha256 may change on the host: with the host at hand its own header wins
-    over the record."""
+    over the record. Raises LockError (a GgufError) for a lock that is not one and for a record
+    that cannot be decoded or contradicts itself (a split model's records: together)."""
     files = model_files(data)
     keys = [header_key(file) for file in files]
     lock = lock_path()
-    try:
-        locked = [
-            recorded_header(lock, key) or recorded_header(lock, declared_key(file))
-            for key, file in zip(keys, files, strict=True)
-        ]
-    except GgufError as error:
-        locked, found.warnings = [None] * len(files), [*found.warnings, str(error)]
+    # A lock that is not one, or a record that lies, is refused (LockError, naming the entry
+    # and the fix), not passed by: a plan must not silently stand on something else.
+    locked = [
+        recorded_header(lock, key) or recorded_header(lock, declared_key(file))
+        for key, file in zip(keys, files, strict=True)
+    ]
     pinned = all(file.sha256 for file in files)
     declared = any(record is not None and not record.digest for record in locked)
     if all(locked) and not declared and (pinned or reader is None):
-        found.header, found.header_source = merge_split(locked), str(lock)
+        found.header, found.header_source = merged_records(locked), str(lock)
         return
     headers, note = url_headers(data)
     if not headers and reader is not None:
@@ -190,7 +197,7 @@ def find_model_header(found: FoundHeader, data: dict, reader: Reader | None) -> 
                 headers = from_host
     if not headers:
         if all(locked):  # not readable yet (the file is not on the host): the record plans
-            found.header, found.header_source = merge_split(locked), str(lock)
+            found.header, found.header_source = merged_records(locked), str(lock)
             found.header_declared = "; ".join(
                 dict.fromkeys(r.source for r in locked if not r.digest)
             )
@@ -218,9 +225,11 @@ def find_model_header(found: FoundHeader, data: dict, reader: Reader | None) -> 
         found.superseded.append(declared_key(file))
         differ = header_record.differences(record, header)
         found.warnings.append(
-            f"{record.source}: the file's header "
-            + (f"differs: {'; '.join(differ)}; planned with the file's" if differ else "agrees")
-            + ", which a deploy or `llamarig lock` records in its place"
+            printable(
+                f"{record.source}: the file's header "
+                + (f"differs: {'; '.join(differ)}; planned with the file's" if differ else "agrees")
+                + ", which a deploy or `llamarig lock` records in its place"
+            )
         )
 
 

@@ -10,7 +10,11 @@ the header bytes it was made from (``GgufHeader.digest``), which tells a stale r
 file's own header when the deploy reads that.
 
 A record comes from a file the user commits, so it is read as untrusted input: bounded before
-and after decompression, and checked into the shapes the planner expects."""
+and after decompression (the text, the JSON it expands to, the lzma decoder's memory, the
+arrays it claims in all, its keys and tensors), checked into the shapes the planner expects,
+and checked for consistency - a tensor table no GGUF file holds (``tensor_table_problem``), a
+`size` its tensors do not end at, and for a whole model (not a shard of a split one, which
+`lock.merged_records` checks with the other shards) the facts ``model_problem`` checks."""
 
 from __future__ import annotations
 
@@ -24,9 +28,12 @@ from typing import Any
 from llamarig.gguf_header import (
     GGML_TYPES,
     MAX_DIMS,
+    SPLIT_COUNT,
     GgufError,
     GgufHeader,
     TensorInfo,
+    model_problem,
+    tensor_table_problem,
 )
 
 FORMAT = 1
@@ -37,6 +44,16 @@ MAX_RECORD_CHARS = 4 << 20
 MAX_JSON_BYTES = 32 << 20
 # The longest array a record may claim: vocabularies run to a few hundred thousand tokens.
 MAX_TRIMMED_LENGTH = 1 << 22
+# ... and all its arrays together (a tokenizer's tokens, scores, types and merges: about 1.3
+# million items for a vocabulary of 262,144): each item is a slot in memory once decoded.
+MAX_TRIMMED_TOTAL = 1 << 23
+# Keys and tensors: a header has about 50 keys and a few thousand tensors at most (Qwen3.6-27B:
+# 866 tensors).
+MAX_KEYS = 1 << 16
+MAX_TENSORS = 1 << 17
+# The lzma decoder's memory: `encode`'s preset needs about 9 MiB; a forged stream may ask for
+# a dictionary of 1.5 GiB.
+MAX_DECODER_MEMORY = 64 << 20
 _TRIMMED = "trimmed_array_length"
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 
@@ -62,11 +79,12 @@ def encode(header: GgufHeader) -> str:
     return base64.b64encode(packed).decode("ascii")
 
 
-def decode(record: str, digest: str, name: str) -> GgufHeader:
+def decode(record: str, digest: str, name: str, size: int | None = None) -> GgufHeader:
     """The header ``record`` (``encode``'s text) holds, with ``digest`` as its digest ("" for a
     declared header, made from a model's published configuration rather than read); a long
-    array comes back as that many None items. Raises GgufError, naming ``name``, for a record
-    that is not one."""
+    array comes back as that many None items. ``size``: the file's size its lock entry
+    records (where its tensors end), checked against them. Raises GgufError, naming ``name``,
+    for a record that is not one, or one that contradicts itself."""
 
     def broken(why: str) -> GgufError:
         return GgufError(f"{name}: the recorded header {why}")
@@ -77,32 +95,70 @@ def decode(record: str, digest: str, name: str) -> GgufHeader:
         raise broken("has a digest that is not 64 hex digits")
     try:
         packed = base64.b64decode(record, validate=True)
-        unpacker = lzma.LZMADecompressor()
+        unpacker = lzma.LZMADecompressor(memlimit=MAX_DECODER_MEMORY)
         text = unpacker.decompress(packed, max_length=MAX_JSON_BYTES)
-        if not unpacker.eof:
-            raise broken(f"is incomplete or expands beyond {MAX_JSON_BYTES} bytes")
-        document = json.loads(text)
     except (binascii.Error, lzma.LZMAError, ValueError) as error:
         raise broken(f"cannot be decoded ({error})") from None
+    if not unpacker.eof:
+        raise broken(f"is incomplete or expands beyond {MAX_JSON_BYTES} bytes")
     try:
-        return _header(document, digest, name)
-    except (KeyError, TypeError, ValueError) as error:
+        document = json.loads(text)
+    except ValueError as error:
+        raise broken(f"cannot be decoded ({error})") from None
+    except RecursionError:
+        raise broken("cannot be decoded (nested too deeply)") from None
+    try:
+        header = _header(document, digest, name)
+    except (AttributeError, KeyError, TypeError, ValueError, RecursionError) as error:
         raise broken(f"is not a header record ({type(error).__name__}: {error})") from None
+    problem = tensor_table_problem(header)
+    if problem is None and size is not None:
+        problem = _size_problem(header, size)
+    count = header.metadata.get(SPLIT_COUNT)
+    if problem is None and not (isinstance(count, int) and count > 1):  # a whole model
+        problem = model_problem(header)
+    if problem:
+        raise broken(f"is inconsistent: {problem}")
+    return header
+
+
+def _size_problem(header: GgufHeader, size: int) -> str | None:
+    """A file's size is where its last tensor ends (what the lock records), or at most that
+    tensor's padding beyond; a file without tensors (a vocabulary) may end before the
+    alignment of its data section."""
+    if header.data_end <= size < header.data_end + header.alignment or not header.tensors:
+        return None
+    return (
+        f"its size {size} is not the file's: its tensors end at byte {header.data_end} "
+        f"(the data from byte {header.data_offset})"
+    )
 
 
 def _header(document: dict, digest: str, name: str) -> GgufHeader:
     version, alignment, data_offset = (
         _count(document[key]) for key in ("version", "alignment", "data_offset")
     )
+    if len(document["metadata"]) > MAX_KEYS or len(document["tensors"]) > MAX_TENSORS:
+        raise ValueError(
+            f"{len(document['metadata'])} keys and {len(document['tensors'])} tensors (at most "
+            f"{MAX_KEYS} and {MAX_TENSORS})"
+        )
+    trimmed = {
+        key: _count(value[_TRIMMED])
+        for key, value in document["metadata"].items()
+        if isinstance(value, dict)
+    }
+    for key, length in trimmed.items():  # every claim checked before any is made
+        if length > MAX_TRIMMED_LENGTH:
+            raise ValueError(f"{key} claims {length} items")
+    if sum(trimmed.values()) > MAX_TRIMMED_TOTAL:
+        raise ValueError(
+            f"its {len(trimmed)} arrays claim {sum(trimmed.values())} items in all (at most "
+            f"{MAX_TRIMMED_TOTAL})"
+        )
     metadata: dict[str, Any] = {}
     for key, value in document["metadata"].items():
-        if isinstance(value, dict):
-            length = _count(value[_TRIMMED])
-            if length > MAX_TRIMMED_LENGTH:
-                raise ValueError(f"{key} claims {length} items")
-            metadata[key] = [None] * length
-        else:
-            metadata[key] = _plain(value)
+        metadata[key] = [None] * trimmed[key] if key in trimmed else _plain(value)
     tensors = []
     for tensor_name, shape, ggml_type, n_bytes, offset in document["tensors"]:
         if (

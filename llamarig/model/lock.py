@@ -15,16 +15,23 @@ from __future__ import annotations
 import copy
 import os
 import re
+import stat
 from dataclasses import replace
 from pathlib import Path
 from urllib.parse import quote
 
 import yaml
 
-from llamarig.config.loader import load_yaml
+from llamarig.config.loader import MAX_FILE_BYTES, load_yaml, shape_problem
 from llamarig.config.paths import inventory_path
 from llamarig.config.problems import ConfigError
-from llamarig.gguf_header import GgufError, GgufHeader
+from llamarig.gguf_header import (
+    GgufError,
+    GgufHeader,
+    merge_split,
+    model_problem,
+    split_problem,
+)
 from llamarig.model import header_record
 from llamarig.model.catalog import is_router, model_views, with_views
 from llamarig.model.files import ModelFile, sibling_paths
@@ -35,6 +42,7 @@ from llamarig.model.reference import (
     quant_pattern,
     validated,
 )
+from llamarig.text import printable
 
 LOCK_NAME = "models.lock.yml"
 UPDATE_ENV = "LLAMARIG_UPDATE_MODELS"
@@ -51,6 +59,30 @@ _HEADER = """\
 _COMMIT = re.compile(r"[0-9a-f]{40}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _REPO_PATH = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*(/[A-Za-z0-9_][A-Za-z0-9_.+-]*)*\.gguf")
+
+
+class LockError(HubError, GgufError):
+    """models.lock.yml refused: ``message`` names the file, the entry where there is one, and
+    the fix, with every character a terminal would obey shown escaped (``text.printable``).
+    A HubError (of the model section: its references resolve through the lock) for the code
+    that resolves them, a GgufError for the code that reads headers; shown as its message."""
+
+    def __init__(self, message: str, key_path: tuple[str, ...] = ("model",)):
+        super().__init__(key_path, printable(message))
+
+    def __str__(self) -> str:
+        return self.message
+
+
+# What a merge that stopped on a conflict leaves in the file (git's markers, diff3's base).
+_CONFLICT_MARKER = re.compile(rb"(<{7}|>{7}|\|{7})( |$)|={7}$")
+# The fix for a file that is not a lock as llamarig writes it.
+_FIX_FILE = (
+    "llamarig writes this file: restore it from version control, or delete it (or the broken "
+    "entries) and run `llamarig lock` to record the headers again (a plan resolves a deleted "
+    "Hugging Face reference again)"
+)
+_FIX_HEADER = "delete that entry of `headers:`; `llamarig lock` records it again"
 
 
 def lock_path() -> Path:
@@ -76,15 +108,41 @@ def reference_of(model: dict) -> dict:
 
 def _read_document(path: Path) -> dict:
     """The file's `models` and `headers` lists, each entry checked into shapes that cannot carry
-    shell syntax (the file is the user's to commit, so it is read as untrusted input)."""
-    if not path.exists():
+    shell syntax (the file is the user's to commit, so it is read as untrusted input). Raises
+    LockError naming the file and the fix for anything else in its place: a directory, a file
+    with merge-conflict markers, one that is not YAML or not a lock's shape."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
         return {"models": [], "headers": []}
+    except OSError as error:
+        why = error.strerror or error
+        raise LockError(f"{path}: cannot be read ({why}); {_FIX_FILE}") from None
+    if stat.S_ISDIR(mode):
+        raise LockError(
+            f"{path}: is a directory, where llamarig keeps the lock file {LOCK_NAME}: move it "
+            "away; `llamarig lock` records the headers again"
+        )
+    if stat.S_ISREG(mode):
+        conflict = _conflict_line(path)
+        if conflict:
+            raise LockError(
+                f"{path}:{conflict}: has git merge-conflict markers (<<<<<<<, =======, >>>>>>>): "
+                "a merge left both sides of an entry: keep one side of each conflict (or "
+                "delete both) and remove the markers, then run `llamarig lock` to record the "
+                "headers again"
+            )
     try:
         document = load_yaml(path)
     except ConfigError as error:
-        raise _lock_error(path, f"cannot be read ({error.problems[0]})") from None
+        # The loader's hint is for an inventory; a lock is llamarig's to write.
+        problem = error.problems[0].split("; fix the YAML there")[0]
+        raise LockError(f"{problem}: {_FIX_FILE}") from None
     if document is not None and not isinstance(document, dict):
         raise _lock_error(path, "is not a mapping of `models:` and `headers:` lists")
+    shape = shape_problem(document)
+    if shape:
+        raise LockError(f"{path}: {shape}: {_FIX_FILE}")
     document = document or {}
     lists = {}
     for key, problem_of in (("models", _entry_problem), ("headers", _header_entry_problem)):
@@ -93,10 +151,26 @@ def _read_document(path: Path) -> dict:
             raise _lock_error(path, f"has a `{key}:` that is not a list")
         for index, entry in enumerate(entries):
             problem = problem_of(entry)
+            if problem and key == "headers":
+                raise LockError(f"{path} headers entry {index + 1}: {problem}: {_FIX_HEADER}")
             if problem:
                 raise _lock_error(path, f"{key} entry {index + 1}: {problem}")
         lists[key] = entries
     return lists
+
+
+def _conflict_line(path: Path) -> int | None:
+    """The line of the first merge-conflict marker in the file, if any (read as load_yaml
+    reads it: at most MAX_FILE_BYTES)."""
+    try:
+        with open(path, "rb") as stream:
+            raw = stream.read(MAX_FILE_BYTES + 1)
+    except OSError:
+        return None  # load_yaml says why
+    for number, line in enumerate(raw.splitlines(), 1):
+        if _CONFLICT_MARKER.match(line):
+            return number
+    return None
 
 
 def _write_document(path: Path, document: dict) -> None:
@@ -150,10 +224,10 @@ def _entry_problem(entry: object) -> str | None:
     return None
 
 
-def _lock_error(path: Path, message: str) -> HubError:
-    return HubError(
-        ("model", "hf"),
+def _lock_error(path: Path, message: str) -> LockError:
+    return LockError(
         f"{path} {message}: delete the file (or the entry) to resolve the references again",
+        ("model", "hf"),
     )
 
 
@@ -185,12 +259,22 @@ def _header_entry_problem(entry: object) -> str | None:
     ):
         return f"digest {entry['digest']!r} is not 64 hex digits"
     if "declared" in entry and not (
-        isinstance(entry["declared"], str) and 0 < len(entry["declared"]) <= 500
+        isinstance(entry["declared"], str)
+        and 0 < len(entry["declared"]) <= 500
+        and entry["declared"].isprintable()
     ):
-        return "declared is not the text of where the header's values come from"
+        return (
+            f"declared {_shown(entry['declared'])} is not the text of where the header's values "
+            "come from (one printable line of at most 500 characters)"
+        )
     if not isinstance(entry["record"], str):
         return "record is not text"
     return None
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _file_key_problem(key: object) -> str | None:
@@ -226,21 +310,69 @@ def header_entry(path: Path, key: dict) -> dict | None:
 
 def recorded_header(path: Path, key: dict | None) -> GgufHeader | None:
     """The header recorded under ``key`` (``header_key`` or ``declared_key``), or None. A
-    declared header has no digest. Raises GgufError, naming the lock file and the fix, for a
-    record that cannot be decoded."""
+    declared header has no digest. Raises LockError (a GgufError), naming the lock file, the
+    entry and the fix, for a lock that is not one and for a record that cannot be decoded or
+    contradicts itself (``header_record.decode``)."""
     for entry in _read_document(path)["headers"]:
         if key is not None and entry["file"] == key:
-            what = next(iter(key.values()))
-            name = f"{path} (header of {what}" + (
-                f", declared from {entry['declared']})" if "declared" in entry else ")"
-            )
-            try:
-                return header_record.decode(entry["record"], entry.get("digest", ""), name)
-            except GgufError as error:
-                raise GgufError(
-                    f"{error}: delete that entry of `headers:`; `llamarig lock` records it again"
-                ) from None
+            return _decoded(path, entry)
     return None
+
+
+def _decoded(path: Path, entry: dict) -> GgufHeader:
+    what = next(iter(entry["file"].values()))
+    name = f"{path} (header of {what}" + (
+        f", declared from {entry['declared']})" if "declared" in entry else ")"
+    )
+    try:
+        return header_record.decode(
+            entry["record"], entry.get("digest", ""), name, entry.get("size")
+        )
+    except GgufError as error:
+        raise LockError(f"{error}: {_FIX_HEADER}") from None
+
+
+def merged_records(records: list[GgufHeader]) -> GgufHeader:
+    """The model's header from its files' records (each shard's, in order, as
+    ``recorded_header`` gave them), checked as a whole: the shards one gguf-split set, the
+    merged header a model (``model_problem``). Raises LockError naming the entries."""
+    first = records[0]
+    split = len(records) > 1
+    name = first.source + (f" and its {len(records) - 1} other shards' entries" if split else "")
+    problem = split_problem(records)
+    header = merge_split(records) if problem is None else None
+    if header is not None:
+        problem = model_problem(header)
+    if problem:
+        raise LockError(
+            f"{name}: the recorded header{'s are' if split else ' is'} inconsistent: {problem}: "
+            + (
+                "delete those entries of `headers:`; `llamarig lock` records them again"
+                if split
+                else _FIX_HEADER
+            )
+        )
+    return header
+
+
+def lock_problems(path: Path | None = None) -> list[str]:
+    """Every problem of the lock beside the inventory (``path``), each naming the file, the
+    entry and the fix: the file is not one (a directory, merge-conflict markers, not YAML, not
+    a lock's shape), or a header record cannot be decoded or contradicts itself. Checked
+    when the inventory is loaded for a deploy, so that a dry run refuses before it connects;
+    the shards of a split model are checked together when a plan reads them."""
+    path = lock_path() if path is None else path
+    try:
+        entries = _read_document(path)["headers"]
+    except LockError as error:
+        return [error.message]
+    problems = []
+    for entry in entries:
+        try:
+            _decoded(path, entry)
+        except LockError as error:
+            problems.append(error.message)
+    return problems
 
 
 def record_header(path: Path, key: dict, header: GgufHeader, superseded: list[dict] = ()) -> bool:
