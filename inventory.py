@@ -8,8 +8,8 @@ path (or the lock's entry) and the fix.
 import sys
 
 from llamarig.config import ConfigError, connection_problems, load_inventory
-from llamarig.model.lock import lock_problems
-from llamarig.remote import pyinfra_host
+from llamarig.config.lock import lock_problems
+from llamarig.config.ssh import pyinfra_host
 
 try:
     _inventory = load_inventory()

@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from llamarig.config import load_inventory  # noqa: E402
-from llamarig.gguf_header import read_gguf_header  # noqa: E402
-from llamarig.plan import plan_host  # noqa: E402
+from llamarig.model.gguf import read_gguf_header  # noqa: E402
+from llamarig.planner.plan import plan_host  # noqa: E402
 
 WORK = Path("/srv/llamarig")
 MODELS = WORK / "models"

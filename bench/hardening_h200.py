@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import gpu_bench as bench  # noqa: E402
 from bench import systemd_h200 as box  # noqa: E402
-from llamarig import render  # noqa: E402
+from llamarig.planner import render  # noqa: E402
 
 OUT = bench.OUT
 LOGS = OUT / "logs"

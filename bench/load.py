@@ -33,7 +33,7 @@ import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from llamarig.throughput import PROMPT_TEXT, percentile
+from llamarig.serving.throughput import PROMPT_TEXT, percentile
 
 REQUEST_TIMEOUT_S = 600
 

@@ -24,11 +24,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.load_gpu import stop  # noqa: E402
-from llamarig import render  # noqa: E402
 from llamarig.config import load_inventory  # noqa: E402
-from llamarig.gguf_header import read_gguf_header_file  # noqa: E402
 from llamarig.model.catalog import model_views, with_views  # noqa: E402
-from llamarig.plan import PlannedModel, loaded_at_once, plan_host  # noqa: E402
+from llamarig.model.gguf import read_gguf_header_file
+from llamarig.planner import render
+from llamarig.planner.plan import PlannedModel, loaded_at_once, plan_host
 
 PORT = 8190
 NAMES = ("llama-8b", "llama-32b")

@@ -30,7 +30,7 @@ from bench.gpu_bench import (  # noqa: E402
     running_server,
     write_model,
 )
-from llamarig.render import layout  # noqa: E402
+from llamarig.planner.render import layout
 
 MODEL_8B = MODELS / "llama-8b-q8_0.gguf"
 # (rig, llama-server flags added to the planned command line): the planned 8B tensor 1:1 rig,

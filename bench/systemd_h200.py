@@ -37,8 +37,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("OUT", "/srv/llamarig/out-systemd")
 
 from bench import gpu_bench as bench  # noqa: E402
-from llamarig import render  # noqa: E402
-from llamarig.hardware import char_device_groups  # noqa: E402
+from llamarig.planner import render  # noqa: E402
+from llamarig.tables.hardware import char_device_groups  # noqa: E402
 from llamarig_sandbox.systemdroot import SystemdRoot  # noqa: E402
 
 OUT = bench.OUT

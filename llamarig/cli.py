@@ -16,22 +16,25 @@ from pathlib import Path
 
 import yaml
 
-from llamarig import answers, hostpaths, render, status
+from llamarig.checks.runner import verify_host
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
+from llamarig.config.lock import lock_path, record_header, resolved
 from llamarig.config.problems import Problem, located
+from llamarig.config.shapes import SHA256_HEX, address_problem, host_name_problem, url_problem
+from llamarig.config.ssh import SshTarget
 from llamarig.config.ssh_trust import _host_key_known
-from llamarig.entry import ProbeError, host_entry, inventory_document, probe, render_entry
-from llamarig.gguf_header import GgufError
-from llamarig.httpbounds import HttpTimeouts
 from llamarig.model.catalog import MODEL_NAME, model_views
-from llamarig.model.lock import lock_path, record_header, resolved
+from llamarig.model.gguf import GgufError
 from llamarig.model.reference import HubError
-from llamarig.plan import HostPlan
-from llamarig.remote import Gathered, SshTarget, plan_for, run_on_host, shell_reader
-from llamarig.shapes import SHA256_HEX, address_problem, host_name_problem, url_problem
-from llamarig.text import printable
-from llamarig.tune import TuneError, tune_host
-from llamarig.verify import verify_host
+from llamarig.onhost import hostpaths
+from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.planner import render
+from llamarig.planner.enroll import ProbeError, host_entry, inventory_document, probe, render_entry
+from llamarig.planner.gather import Gathered, plan_for, run_on_host, shell_reader
+from llamarig.planner.plan import HostPlan
+from llamarig.serving import answers, status
+from llamarig.serving.tune import TuneError, tune_host
+from llamarig.tables.text import printable
 
 
 def _chosen_hosts(args: argparse.Namespace) -> dict[str, HostConfig] | None:
@@ -241,7 +244,7 @@ MODEL_HINT = (
 
 
 INIT_REACH_TIMEOUT_S = 60
-# A login name as the loader takes `ssh.user` (llamarig/shapes.py): never an ssh option.
+# A login name as the loader takes `ssh.user` (llamarig/config/shapes.py): never an ssh option.
 LOGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 

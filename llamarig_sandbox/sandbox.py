@@ -39,7 +39,7 @@ from pathlib import Path
 
 from llamarig import CACHE_DIR
 from llamarig.config import defaults
-from llamarig.remote import SshTarget
+from llamarig.config.ssh import SshTarget
 from llamarig_sandbox import realmodel
 from llamarig_sandbox.locks import held
 from llamarig_sandbox.testmodel import sha256_file, write_test_model

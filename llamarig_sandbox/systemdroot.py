@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from llamarig.remote import SshTarget
+from llamarig.config.ssh import SshTarget
 from llamarig_sandbox.sandbox import hosts_file, known_hosts_line, sshd_dropin
 
 BOOT_SCRIPT = Path(__file__).with_name("systemd-root.sh")

@@ -17,8 +17,8 @@ import tempfile
 from pathlib import Path
 
 from llamarig.config import load_inventory
-from llamarig.gguf_header import read_gguf_header_file
-from llamarig.model.lock import LOCK_NAME, declare_header, header_entry, recorded_header
+from llamarig.config.lock import LOCK_NAME, declare_header, header_entry, recorded_header
+from llamarig.model.gguf import read_gguf_header_file
 from tests.ggufmodels import Qwen35Shape, write_qwen35
 
 PROJECT = Path(__file__).resolve().parent.parent

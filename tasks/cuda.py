@@ -4,9 +4,11 @@ the build's CMake options (render.nvcc_path)."""
 from pyinfra import api, host
 from pyinfra.facts.files import File
 
-from llamarig import operations, render, stage
-from llamarig.factcache import known
-from llamarig.packages import cuda_toolkit_package
+from llamarig import operations
+from llamarig.converge import stage
+from llamarig.facts.cache import known
+from llamarig.planner import render
+from llamarig.tables.packages import cuda_toolkit_package
 
 
 @api.deploy("tasks/cuda.py")

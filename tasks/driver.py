@@ -9,20 +9,22 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.facts.server import KernelVersion, LinuxDistribution
 from pyinfra.operations import files, python, server
 
-from llamarig import driver_build, operations, packages, secureboot, stage
-from llamarig.factcache import known
-from llamarig.facts import (
-    AptCandidates,
+from llamarig import operations
+from llamarig.converge import secureboot, stage
+from llamarig.facts.apt import AptCandidates, PackageVersions
+from llamarig.facts.cache import known
+from llamarig.facts.driver import (
     DkmsSigning,
     DriverBuildFailure,
     FirmwareBoot,
     MokKeyState,
     NvidiaModule,
-    NvidiaSmiGpus,
-    PackageVersions,
 )
-from llamarig.hardware import check_versions, chosen_versions
-from llamarig.platform import is_debian
+from llamarig.facts.gpu import NvidiaSmiGpus
+from llamarig.onhost import driver_build
+from llamarig.tables import packages
+from llamarig.tables.hardware import check_versions, chosen_versions
+from llamarig.tables.platform import is_debian
 
 
 def dkms_signing() -> secureboot.DkmsSigning:

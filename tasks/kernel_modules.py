@@ -8,7 +8,9 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.operations import server
 from pyinfra.operations.util import any_changed
 
-from llamarig import boot, operations, render, stage
+from llamarig import operations
+from llamarig.converge import boot, stage
+from llamarig.planner import render
 
 
 @api.deploy("tasks/kernel_modules.py")

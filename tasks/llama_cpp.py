@@ -4,11 +4,14 @@ directory, and the `current` link the service runs through."""
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 
-from llamarig import operations, render, stage
-from llamarig.factcache import known
-from llamarig.facts import FileState, MissingCommands
+from llamarig import operations
+from llamarig.converge import stage
+from llamarig.facts.build import MissingCommands
+from llamarig.facts.cache import known
+from llamarig.facts.files import FileState
 from llamarig.model.catalog import is_router
-from llamarig.packages import BUILD_DEPENDENCIES, build_tools
+from llamarig.planner import render
+from llamarig.tables.packages import BUILD_DEPENDENCIES, build_tools
 
 
 @api.deploy("tasks/llama_cpp.py")

@@ -8,10 +8,12 @@ import io
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 
-from llamarig import hostpaths, operations, stage
+from llamarig import operations
+from llamarig.converge import stage
 from llamarig.model.catalog import served_data
 from llamarig.model.files import model_files
 from llamarig.model.reference import read_token, sends_hub_token
+from llamarig.onhost import hostpaths
 
 # The token is uploaded into a directory only root may enter, so no one else can read it even
 # before its own mode is set.

@@ -3,10 +3,11 @@
 from pyinfra import api, host
 from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 
-from llamarig import stage
-from llamarig.factcache import known
-from llamarig.facts import FirmwareBoot, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.platform import os_problems
+from llamarig.converge import stage
+from llamarig.facts.cache import known
+from llamarig.facts.driver import FirmwareBoot
+from llamarig.facts.gpu import NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.tables.platform import os_problems
 from tasks import driver
 
 

@@ -8,10 +8,12 @@ from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import server
 from pyinfra.operations.apt import APT_UPDATE_FILENAME
 
-from llamarig import operations, render, stage
-from llamarig.factcache import known
-from llamarig.facts import PackageVersions
-from llamarig.platform import codename, is_debian, nvidia_repo_dir
+from llamarig import operations
+from llamarig.converge import stage
+from llamarig.facts.apt import PackageVersions
+from llamarig.facts.cache import known
+from llamarig.planner import render
+from llamarig.tables.platform import codename, is_debian, nvidia_repo_dir
 
 
 @api.deploy("tasks/repos.py")

@@ -9,8 +9,10 @@ from pyinfra.api.operation import OperationMeta
 from pyinfra.operations import systemd
 from pyinfra.operations.util import any_changed
 
-from llamarig import operations, render, stage
-from llamarig.httpbounds import HttpTimeouts
+from llamarig import operations
+from llamarig.converge import stage
+from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.planner import render
 
 
 @api.deploy("tasks/rpc_worker.py")

@@ -13,12 +13,17 @@ from pyinfra.operations import server as server_ops
 from pyinfra.operations import systemd
 from pyinfra.operations.util import any_changed
 
-from llamarig import answers, hostpaths, operations, render, stage
-from llamarig.factcache import known
-from llamarig.facts import FileState, RunningService
-from llamarig.httpbounds import HttpTimeouts
+from llamarig import operations
+from llamarig.converge import stage
+from llamarig.facts.cache import known
+from llamarig.facts.files import FileState
+from llamarig.facts.server import RunningService
 from llamarig.model.catalog import model_views
-from llamarig.render import unloaded_by_reload
+from llamarig.onhost import hostpaths
+from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.planner import render
+from llamarig.planner.render import unloaded_by_reload
+from llamarig.serving import answers
 
 
 @api.deploy("tasks/server.py")

@@ -8,10 +8,12 @@ from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 from pyinfra.operations.util import any_changed
 
-from llamarig import operations, render, stage
-from llamarig.facts import ServerProbe
-from llamarig.httpbounds import HttpTimeouts
+from llamarig import operations
+from llamarig.converge import stage
+from llamarig.facts.server import ServerProbe
 from llamarig.model.catalog import model_views
+from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.planner import render
 
 
 @api.deploy("tasks/verify.py")

@@ -178,7 +178,7 @@ def home(tmp_path, monkeypatch) -> Path:
     directory = tmp_path / "home"
     directory.mkdir()
     monkeypatch.setenv("HOME", str(directory))
-    # The GGUF header cache under it too (llamarig.model.header), empty for each test.
+    # The GGUF header cache under it too (llamarig.planner.header), empty for each test.
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.delenv("LLAMARIG_HEADER_CACHE", raising=False)
     return directory
@@ -253,7 +253,7 @@ def file_server(tmp_path):
 def default_http_timeouts():
     """The documented server.http_timeouts of group_data/all.yml."""
     from llamarig.config.loader import defaults
-    from llamarig.httpbounds import HttpTimeouts
+    from llamarig.onhost.httpbounds import HttpTimeouts
 
     return HttpTimeouts.of(defaults())
 

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
-from llamarig.gguf_header import row_size
+from llamarig.model.gguf import row_size
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import yaml
 
-from llamarig.facts import FirmwareBoot
+from llamarig.facts.driver import FirmwareBoot
 from tests.conftest import PROJECT
 from tests.sandboxes import deploy, fresh_sandbox, in_sandbox
 

@@ -13,9 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from llamarig import answers, cli, operations
+from llamarig import cli, operations
 from llamarig.config import load_inventory
-from llamarig.hostpaths import API_KEY_HEADER_PATH
+from llamarig.onhost.hostpaths import API_KEY_HEADER_PATH
+from llamarig.serving import answers
 from tests.conftest import default_http_timeouts
 from tests.test_bad_input import Case, assert_refused_by_name, host
 

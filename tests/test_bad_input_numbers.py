@@ -13,13 +13,13 @@ import ctypes.util
 
 import pytest
 
-from llamarig import render
 from llamarig.config import ConfigError, load_inventory, schema
 from llamarig.config.inventory import tuned_path
+from llamarig.config.shapes import file_name_problem
 from llamarig.model.catalog import SERVER_KEYS
 from llamarig.model.files import url_file_name
-from llamarig.plan import plan_host
-from llamarig.shapes import file_name_problem
+from llamarig.planner import render
+from llamarig.planner.plan import plan_host
 from tests.test_bad_input import SHA, Case, assert_refused_by_name, edit, host
 
 INT_MAX = 2**31 - 1

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 from llamarig.config import load_inventory
-from llamarig.llama_args import GUARDED, GUARDED_ENV
+from llamarig.tables.llama_args import GUARDED, GUARDED_ENV
 from tests.test_bad_input import (
     GPU_3090,
     GPU_5080,

@@ -20,7 +20,7 @@ DEBUG_LOG = """\
     [pyinfra.api.state] Activating host: sandbox-bench
     [pyinfra.connectors.ssh] Connecting to: 127.0.0.1 ({'port': 2236})
 --> Gathering facts...
-    [pyinfra.api.facts] Getting fact: llamarig.facts.FileSha256 (path=/srv/m.gguf)
+    [pyinfra.api.facts] Getting fact: llamarig.facts.files.FileSha256 (path=/srv/m.gguf)
     [pyinfra.connectors.ssh] Running command on sandbox-bench: (pty=False) sh -c 'if [ -f \
 /srv/m.gguf ]; then sha256sum < /srv/m.gguf; fi'
     [pyinfra.connectors.ssh] Waiting for exit status...

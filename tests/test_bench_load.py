@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench import load
-from llamarig.throughput import percentile
+from llamarig.serving.throughput import percentile
 
 # Two rows as the pinned llama-batched-bench prints them with --output-format jsonl, between
 # its log lines.

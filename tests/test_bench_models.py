@@ -6,7 +6,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
 from bench import models
-from llamarig.gguf_header import read_gguf_header
+from llamarig.model.gguf import read_gguf_header
 
 
 @pytest.fixture

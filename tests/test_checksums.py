@@ -1,5 +1,5 @@
-"""Checksum records (llamarig.checksums): a model file is hashed once, then its record is read
-while the file's identity (device, inode, size, mtime, ctime) is unchanged.
+"""Checksum records (llamarig.onhost.checksums): a model file is hashed once, then its record is
+read while the file's identity (device, inode, size, mtime, ctime) is unchanged.
 
 Run for real: the operations by pyinfra against @local and the verify check by pytest against
 local://, on temporary directories, with a `sha256sum` first on PATH that logs the file each
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from llamarig import checksums
-from llamarig.verify import SUITE
+from llamarig.checks.runner import SUITE
+from llamarig.onhost import checksums
 from tests.conftest import PROJECT, VENV_BIN
 from tests.test_operations import changed, run_deploy, sha256
 

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llamarig import cli
-from llamarig.shapes import host_name_problem
+from llamarig.config.shapes import host_name_problem
 from tests.conftest import PROJECT, offline, pyinfra_env
 
 # A rig whose every command would contact the box (192.0.2.10, TEST-NET-1: never routed) were

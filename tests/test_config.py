@@ -7,8 +7,8 @@ import paramiko
 import pytest
 
 from llamarig.config import ConfigError, load_inventory
+from llamarig.config.lock import LOCK_NAME
 from llamarig.config.problems import Problem, located
-from llamarig.model.lock import LOCK_NAME
 from tests.conftest import PROJECT, offline, pyinfra_env
 
 MINIMAL = """

@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 from hypothesis_jsonschema import from_schema
 from jsonschema import Draft202012Validator
 
-from llamarig import render
 from llamarig.config import (
     ConfigError,
     connection_problems,
@@ -31,7 +30,8 @@ from llamarig.config import (
     rig_data,
     schema,
 )
-from llamarig.remote import pyinfra_host
+from llamarig.config.ssh import pyinfra_host
+from llamarig.planner import render
 
 EXAMPLES = 250
 PROPERTY = settings(

@@ -4,9 +4,9 @@ group that driver 580 lists in /proc/devices and together they cover every node 
 
 import pytest
 
-from llamarig import render
 from llamarig.config import load_inventory
-from llamarig.hardware import char_device_groups, device_access_problems
+from llamarig.planner import render
+from llamarig.tables.hardware import char_device_groups, device_access_problems
 from tests.conftest import PROJECT
 
 # /proc/devices of the one-H200 machine (driver 580.159.04, kernel 6.18), read on 2026-12-01.

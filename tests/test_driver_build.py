@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from llamarig.driver_build import BuildFailure, parse_record, refusal
-from llamarig.facts import DriverBuildFailure
-from llamarig.hostpaths import DRIVER_BUILD_FAILURE_PATH
+from llamarig.facts.driver import DriverBuildFailure
+from llamarig.onhost.driver_build import BuildFailure, parse_record, refusal
+from llamarig.onhost.hostpaths import DRIVER_BUILD_FAILURE_PATH
 
 PACKAGE = "nvidia-open-kernel-dkms"
 VERSION = "550.163.01-2"

@@ -13,23 +13,16 @@ import time
 import pytest
 from pyinfra.api import FactBase
 
-from llamarig.factcache import Batch, parse_one
-from llamarig.facts import (
-    AptListsAge,
-    BuildDirectories,
-    FileHead,
-    FileState,
-    FirmwareBoot,
-    JsonFile,
-    MissingCommands,
-    NvidiaPciDevices,
-    NvidiaSmiGpus,
-    PackageVersions,
-    ServerProbe,
-    UnitState,
-)
-from llamarig.hostpaths import BUILD_COMPLETE_MARKER, CURL_AUTH
-from llamarig.httpbounds import HttpTimeouts
+from llamarig.facts.apt import AptListsAge, PackageVersions
+from llamarig.facts.build import BuildDirectories, MissingCommands
+from llamarig.facts.cache import Batch, parse_one
+from llamarig.facts.driver import FirmwareBoot
+from llamarig.facts.files import FileHead, FileState, JsonFile
+from llamarig.facts.gpu import NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.facts.server import ServerProbe
+from llamarig.facts.systemd import UnitState
+from llamarig.onhost.hostpaths import BUILD_COMPLETE_MARKER, CURL_AUTH
+from llamarig.onhost.httpbounds import HttpTimeouts
 from tests.conftest import default_http_timeouts
 
 
@@ -160,7 +153,7 @@ def test_a_hung_server_fails_the_probe_within_its_bound(llama_stand_in):
 def test_missing_commands_runs_in_a_shell_and_lists_the_missing(tmp_path):
     import subprocess
 
-    from llamarig.facts import MissingCommands
+    from llamarig.facts.build import MissingCommands
 
     fact = MissingCommands()
     command = fact.command(["sh", "no-such-tool-llamarig", "git"])
@@ -172,7 +165,7 @@ def test_missing_commands_runs_in_a_shell_and_lists_the_missing(tmp_path):
 def test_running_service_parses_the_main_process():
     import base64
 
-    from llamarig.facts import RunningService
+    from llamarig.facts.server import RunningService
 
     def encoded(items):
         return base64.b64encode("\0".join(items).encode() + b"\0").decode()

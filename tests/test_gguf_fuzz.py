@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llamarig.gguf_header import GgufError, GgufHeader, read_gguf_header, read_gguf_header_file
-from llamarig.memory import Device, MemoryPlan, plan_memory
+from llamarig.model.gguf import GgufError, GgufHeader, read_gguf_header, read_gguf_header_file
+from llamarig.planner.memory import Device, MemoryPlan, plan_memory
 from tests.conftest import PROJECT, offline, pyinfra_env
 from tests.ggufmodels import Qwen35Shape, write_llama, write_qwen35
 

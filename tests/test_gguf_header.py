@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
 
-from llamarig.gguf_header import (
+from llamarig.model.gguf import (
     GGML_OVERRIDES,
     GGML_TYPES,
     READ_CHUNK,

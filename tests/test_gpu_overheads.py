@@ -14,11 +14,11 @@ import subprocess
 
 import pytest
 
-from llamarig import render
 from llamarig.config import load_inventory
-from llamarig.facts import MeasuredOverheads
-from llamarig.gguf_header import read_gguf_header_file
-from llamarig.plan import MEASURED_MARGIN_MIB, plan_host
+from llamarig.facts.gpu import MeasuredOverheads
+from llamarig.model.gguf import read_gguf_header_file
+from llamarig.planner import render
+from llamarig.planner.plan import MEASURED_MARGIN_MIB, plan_host
 from tests.conftest import PROJECT
 from tests.ggufmodels import write_llama
 from tests.test_operations import run_deploy

@@ -1,6 +1,6 @@
 import pytest
 
-from llamarig.hardware import (
+from llamarig.tables.hardware import (
     ARCHITECTURE_FLOORS,
     PCI_DEVICES,
     check_versions,

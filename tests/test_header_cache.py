@@ -1,4 +1,4 @@
-"""The GGUF header cache (`llamarig.model.header`): a model's header is read from its host or
+"""The GGUF header cache (`llamarig.planner.header`): a model's header is read from its host or
 its URL once per sha256, then from this machine; the host read starts small. The readers here
 are the real facts' process() over the file's real bytes, counted; the URL is the loopback Hub
 stand-in (tests/hubstandin.py)."""
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from llamarig.facts import FileHead, FileIdentity
-from llamarig.gguf_header import read_gguf_header_file
-from llamarig.model import header as model_header
+from llamarig.facts.files import FileHead, FileIdentity
 from llamarig.model.files import ModelFile
-from llamarig.model.header import (
+from llamarig.model.gguf import read_gguf_header_file
+from llamarig.planner import header as model_header
+from llamarig.planner.header import (
     HOST_HEADER_FIRST_READ,
     HOST_HEADER_READ,
     fetch_header,

@@ -16,15 +16,15 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llamarig import render
 from llamarig.config import load_inventory
-from llamarig.gguf_header import GgufError, read_gguf_header_file
+from llamarig.config import lock as model_lock
+from llamarig.config.lock import header_key, record_header, recorded_header
 from llamarig.model import header_record
-from llamarig.model import lock as model_lock
 from llamarig.model.files import model_files
-from llamarig.model.lock import header_key, record_header, recorded_header
-from llamarig.plan import plan_host
-from llamarig.remote import gather
+from llamarig.model.gguf import GgufError, read_gguf_header_file
+from llamarig.planner import render
+from llamarig.planner.gather import gather
+from llamarig.planner.plan import plan_host
 from tests.conftest import PROJECT, offline, pyinfra_env
 from tests.ggufmodels import (
     Qwen35Shape,
@@ -351,8 +351,8 @@ def test_the_host_reads_the_header_where_this_machine_cannot(
     the final one - and the deploy's first converge installs the final unit."""
     import urllib.error
 
-    from llamarig.model import header as model_header
-    from llamarig.remote import shell_reader
+    from llamarig.planner import header as model_header
+    from llamarig.planner.gather import shell_reader
 
     root, base = file_server
     (root / qwen27b.name).write_bytes(qwen27b.read_bytes())

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import yaml
 
-from llamarig import answers, operations, pace, status
+from llamarig import operations
 from llamarig.config import load_inventory
-from llamarig.facts import ServerProbe, slot_counts_command
-from llamarig.httpbounds import HttpTimeouts
+from llamarig.facts.server import ServerProbe, slot_counts_command
+from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.serving import answers, pace, status
 from tests.test_shell_boundary import Shims
 
 BASE_URL = "http://127.0.0.1:8080"

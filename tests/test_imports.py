@@ -53,7 +53,7 @@ def imports():
 
 
 def test_the_walk_finds_the_package_and_its_subpackages():
-    assert {"llamarig", "llamarig.gguf_header", "llamarig.cli", "llamarig.checks"} <= set(MODULES)
+    assert {"llamarig", "llamarig.model.gguf", "llamarig.cli", "llamarig.checks"} <= set(MODULES)
     assert {"llamarig.config.rules", "llamarig_sandbox.sandbox"} <= set(MODULES)
     assert all(name.split(".")[0] in PACKAGES for name in MODULES)
 
@@ -109,7 +109,10 @@ def test_cycle_finder_finds_a_cycle_and_passes_a_tree():
 
 def test_no_module_imports_one_that_imports_it_back():
     graph = {name: _imported_modules(name) for name in MODULES}
-    assert graph["llamarig.cli"] >= {"llamarig.plan", "llamarig.remote"}  # the graph is read
+    assert graph["llamarig.cli"] >= {
+        "llamarig.planner.plan",
+        "llamarig.planner.gather",
+    }  # the graph is read
     cycle = _cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
@@ -124,3 +127,97 @@ def test_only_the_cli_reaches_the_sandbox():
         and any(imported.startswith("llamarig_sandbox") for imported in _imported_modules(name))
     }
     assert reaching == {"llamarig.cli"}
+
+
+# The layers, lowest first: each folder of llamarig/ holds one kind of thing and imports only
+# from its own folder and the folders before it (docs/architecture.md draws the same table).
+LAYERS = (
+    "tables",  # facts of the world and pure rules: import nothing of llamarig
+    "onhost",  # what llamarig keeps on a host and how it talks to it
+    "model",  # how a model is named, resolved, split, and what its GGUF header says
+    "config",  # the rig data: loaded, validated, locked
+    "facts",  # what is read from a host
+    "planner",  # gathered inputs -> the plan -> what is rendered for the host
+    "serving",  # features of a rig that serves: pace, answers, status, tuning
+    "operations",  # what changes a host, reading facts first
+    "converge",  # what the deploy's stages share and decide
+    "checks",  # the testinfra suite and `llamarig verify`
+    "cli",  # the command line, over all of it
+)
+# Top-level modules of llamarig besides the layers' folders.
+TOP_MODULES = {"llamarig", "llamarig.cli"}
+
+
+def _layer(name: str) -> str | None:
+    """The layer of a product module (None: the package itself, the lowest of all)."""
+    parts = name.split(".")
+    if parts[0] != "llamarig" or len(parts) == 1:
+        return None
+    return parts[1]
+
+
+PRODUCT = sorted(name for name in MODULES if name.startswith("llamarig.") or name == "llamarig")
+
+
+def test_every_module_lives_in_a_layer():
+    strays = [name for name in PRODUCT if name not in TOP_MODULES and _layer(name) not in LAYERS]
+    assert not strays, (
+        f"modules outside the layers' folders (tests/test_imports.py LAYERS): {strays}"
+    )
+    for layer in LAYERS[:-1]:
+        docstring = ast.get_docstring(
+            ast.parse((PROJECT / "llamarig" / layer / "__init__.py").read_text())
+        )
+        assert docstring, f"llamarig/{layer}/__init__.py says nothing of the folder's one job"
+
+
+def test_imports_go_down_the_layers_only():
+    upward = []
+    for name in PRODUCT:
+        layer = _layer(name)
+        if layer is None:
+            continue
+        rank = LAYERS.index(layer) if layer in LAYERS else len(LAYERS)
+        for imported in sorted(_imported_modules(name)):
+            if imported.startswith("llamarig_sandbox"):
+                continue  # the CLI's `sandbox` verb (test_only_the_cli_reaches_the_sandbox)
+            target = _layer(imported)
+            if target is not None and LAYERS.index(target) > rank:
+                upward.append(f"{name} ({layer}) imports {imported} ({target})")
+    assert not upward, "imports that run up the layers:\n  " + "\n  ".join(upward)
+
+
+def test_the_tables_import_nothing_of_llamarig():
+    borrowing = {
+        name: sorted(_imported_modules(name))
+        for name in PRODUCT
+        if _layer(name) == "tables" and _imported_modules(name)
+    }
+    assert not borrowing
+
+
+def test_nothing_of_the_product_imports_the_stages():
+    """tasks/ are the deploy's stages: they use llamarig, never the other way round."""
+    for name in PRODUCT:
+        tree = ast.parse(MODULES[name].read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                assert not (node.module or "").startswith("tasks"), f"{name} imports tasks"
+            if isinstance(node, ast.Import):
+                assert not any(a.name.startswith("tasks") for a in node.names), name
+
+
+def test_no_folder_imports_one_that_imports_it_back():
+    folders: dict[str, set[str]] = {}
+    for name in PRODUCT:
+        layer = _layer(name) or "llamarig"
+        folders.setdefault(layer, set())
+        for imported in _imported_modules(name):
+            target = _layer(imported) or "llamarig"
+            if target != layer and not imported.startswith("llamarig_sandbox"):
+                folders[layer].add(target)
+    for targets in folders.values():
+        for target in targets:
+            folders.setdefault(target, set())
+    cycle = _cycle(folders)
+    assert cycle is None, "a circle of folders: " + " -> ".join(cycle or [])

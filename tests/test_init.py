@@ -16,9 +16,10 @@ import yaml
 from pyinfra.facts.server import LinuxDistribution
 
 from llamarig.config import load_inventory
-from llamarig.entry import host_entry, inventory_document, probe, render_entry
-from llamarig.facts import NvccVersion, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.plan import plan_host
+from llamarig.facts.build import NvccVersion
+from llamarig.facts.gpu import NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.planner.enroll import host_entry, inventory_document, probe, render_entry
+from llamarig.planner.plan import plan_host
 from tests.conftest import PROJECT, offline, pyinfra_env
 
 UBUNTU_2404 = [

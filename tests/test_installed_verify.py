@@ -94,12 +94,10 @@ def assert_rig_suite_collected(result: subprocess.CompletedProcess) -> None:
 
 
 def test_installed_package_carries_the_rig_suite(installed, tmp_path):
-    """verify.SUITE of the installed package lies in it, and the suite's imports work from
+    """runner.SUITE of the installed package lies in it, and the suite's imports work from
     there: pytest collects every check, run as `llamarig verify` runs it."""
-    located = run_installed(
-        installed, [installed / "python", "-c", "from llamarig.verify import SUITE; print(SUITE)"],
-        tmp_path,
-    )  # fmt: skip
+    script = "from llamarig.checks.runner import SUITE; print(SUITE)"
+    located = run_installed(installed, [installed / "python", "-c", script], tmp_path)
     suite = Path(located.stdout.strip())
     assert located.returncode == 0, located.stderr
     assert suite.is_relative_to(installed.parent) and (suite / "test_rig.py").is_file(), suite

@@ -24,11 +24,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llamarig.config import load_inventory
-from llamarig.gguf_header import GgufError, read_gguf_header_file
-from llamarig.model import lock as model_lock
-from llamarig.model.lock import record_header, recorded_header
-from llamarig.plan import plan_host
-from llamarig.remote import gather
+from llamarig.config import lock as model_lock
+from llamarig.config.lock import record_header, recorded_header
+from llamarig.model.gguf import GgufError, read_gguf_header_file
+from llamarig.planner.gather import gather
+from llamarig.planner.plan import plan_host
 from tests.conftest import PROJECT, offline, pyinfra_env
 from tests.ggufmodels import Qwen35Shape, split_gguf, write_llama, write_qwen35
 
@@ -236,8 +236,8 @@ def test_a_forged_shard_set_is_refused_as_a_whole(tmp_path, monkeypatch):
 BOMB = """
 import base64, json, lzma, resource, sys
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
-from llamarig.gguf_header import GgufError
-from llamarig.model.lock import recorded_header
+from llamarig.model.gguf import GgufError
+from llamarig.config.lock import recorded_header
 try:
     recorded_header(__import__("pathlib").Path(sys.argv[1]), {"sha256": sys.argv[2]})
 except GgufError as error:

@@ -3,8 +3,8 @@ from dataclasses import replace
 
 import pytest
 
-from llamarig.gguf_header import read_gguf_header_file
-from llamarig.memory import (
+from llamarig.model.gguf import read_gguf_header_file
+from llamarig.planner.memory import (
     MIB,
     ON_HOST,
     Device,

@@ -19,11 +19,8 @@ from pyinfra.api.command import StringCommand
 
 from llamarig import operations
 from llamarig.config import ConfigError, load_inventory
-from llamarig.gguf_header import GgufError, merge_split, read_gguf_header_file
-from llamarig.hostjob import JobCommand
-from llamarig.hostpaths import ATOMIC_SUFFIX
+from llamarig.config import lock as model_lock
 from llamarig.model import hub
-from llamarig.model import lock as model_lock
 from llamarig.model.files import (
     ModelFile,
     model_files,
@@ -32,9 +29,12 @@ from llamarig.model.files import (
     sibling_urls,
     split_parts,
 )
-from llamarig.model.header import load_header
+from llamarig.model.gguf import GgufError, merge_split, read_gguf_header_file
 from llamarig.model.reference import HubError
-from llamarig.plan import plan_host
+from llamarig.onhost.hostjob import JobCommand
+from llamarig.onhost.hostpaths import ATOMIC_SUFFIX
+from llamarig.planner.header import load_header
+from llamarig.planner.plan import plan_host
 from tests import hubstandin
 from tests.ggufmodels import split_gguf, write_llama
 from tests.hubstandin import HubStandIn, RunningStandIn, commit_sha
@@ -555,7 +555,7 @@ class TestTokenOnTheHost:
 
 def command_text(command) -> str | None:
     """The shell a command runs on the host: a plain command's, or a detached job's script
-    (the download runs as one, `llamarig.hostjob`); None for an upload."""
+    (the download runs as one, `llamarig.onhost.hostjob`); None for an upload."""
     if isinstance(command, JobCommand):
         return command.job.script
     if isinstance(command, StringCommand):
@@ -571,8 +571,8 @@ class TestModelStage:
         from pyinfra.api.connect import connect_all
         from pyinfra.context import ctx_host, ctx_state
 
-        from llamarig import stage
-        from llamarig.remote import pyinfra_host
+        from llamarig.config.ssh import pyinfra_host
+        from llamarig.converge import stage
         from tasks import model
 
         monkeypatch.setenv("RIG_INVENTORY", str(inventory_file))
@@ -677,7 +677,7 @@ class TestPlanCommand:
         import urllib.error
 
         from llamarig.cli import main
-        from llamarig.model import header as model_header
+        from llamarig.planner import header as model_header
 
         text = model_yaml(
             hf="org/tiny", file="split/tiny-00001-of-00003.gguf", endpoint=stand_in.url
@@ -713,7 +713,7 @@ class TestPlanCommand:
 def test_the_deploy_reads_every_shard_header_from_the_host(write_inventory, llama_pair):
     """gather on a local host (its shell, as over ssh): the shards of a split `path` model are
     read one by one from the host and merged; a missing one is named."""
-    from llamarig.remote import gather, shell_reader
+    from llamarig.planner.gather import gather, shell_reader
 
     whole, shards = llama_pair
     text = model_yaml(path=str(shards[0])).replace(
@@ -728,7 +728,7 @@ def test_the_deploy_reads_every_shard_header_from_the_host(write_inventory, llam
 def test_a_shard_missing_on_the_host_is_named_in_the_plan_note(
     write_inventory, llama_pair, tmp_path
 ):
-    from llamarig.remote import gather, shell_reader
+    from llamarig.planner.gather import gather, shell_reader
 
     _, shards = llama_pair
     for shard in shards[:2]:

@@ -12,7 +12,7 @@ import urllib.request
 
 import pytest
 
-from llamarig.model.header import load_header
+from llamarig.planner.header import load_header
 from tests.conftest import offline
 from tests.netguard import NetworkGuard, is_loopback, ssh_destination
 
@@ -93,7 +93,7 @@ def test_offline_commands_cannot_reach_another_machine():
 def test_ssh_to_another_machine_is_refused_and_recorded(network_guard, tmp_path, monkeypatch):
     """The OpenSSH client bound for a documentation address fails as an unreachable host does,
     without dialling it; one bound for loopback runs; a stand-in `ssh` first on PATH runs."""
-    from llamarig.remote import SshTarget
+    from llamarig.config.ssh import SshTarget
 
     result = SshTarget.of({"host": "192.0.2.10", "port": 22}).run("true", timeout=30)
     assert result.returncode == 255

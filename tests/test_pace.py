@@ -1,4 +1,4 @@
-"""The decode-speed check after a (re)start (`llamarig.pace`): the speed from llama-server's
+"""The decode-speed check after a (re)start (`llamarig.serving.pace`): the speed from llama-server's
 replies, the verdict against the last good version, and the request the host sends.
 tests/test_sandbox_slowdown.py shows the rollback on the sandbox."""
 
@@ -9,7 +9,7 @@ import shlex
 
 import pytest
 
-from llamarig import pace
+from llamarig.serving import pace
 from tests.conftest import default_http_timeouts
 
 

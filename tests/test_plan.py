@@ -11,12 +11,12 @@ import sys
 import pytest
 
 from llamarig.config import load_inventory
-from llamarig.gguf_header import read_gguf_header_file
-from llamarig.hardware import gpus_from_pci
-from llamarig.llama_args import GUARDED_FLAGS, option_name
+from llamarig.model.gguf import read_gguf_header_file
 from llamarig.operations import server_flags
-from llamarig.plan import compare_gpus, plan_host
-from llamarig.render import RENAMED_FLAGS
+from llamarig.planner.plan import compare_gpus, plan_host
+from llamarig.planner.render import RENAMED_FLAGS
+from llamarig.tables.hardware import gpus_from_pci
+from llamarig.tables.llama_args import GUARDED_FLAGS, option_name
 from tests.conftest import PROJECT, offline, pyinfra_env
 from tests.ggufmodels import Qwen35Shape, write_llama, write_qwen35
 

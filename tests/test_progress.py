@@ -1,5 +1,5 @@
-"""Progress of the long jobs: the parsers and formatters of llamarig.progress, the host-side
-shell of a detached job (llamarig.hostjob) run for real here, and the progress lines pyinfra
+"""Progress of the long jobs: the parsers and formatters of llamarig.onhost.progress, the host-side
+shell of a detached job (llamarig.onhost.hostjob) run for real here, and the progress lines pyinfra
 prints for a throttled download and a build through the real operations on @local."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from llamarig import progress
-from llamarig.hostjob import HostJob
+from llamarig.onhost import progress
+from llamarig.onhost.hostjob import HostJob
 from llamarig_sandbox.fileserver import make_server
 from tests.test_operations import run_deploy
 

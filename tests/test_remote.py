@@ -12,18 +12,13 @@ from pyinfra.api import Config, Inventory, State
 from pyinfra.api.connect import connect_all
 from pyinfra.context import ctx_host, ctx_state
 
-from llamarig import stage
 from llamarig.config import load_inventory
-from llamarig.facts import FileHead, FileIdentity, NvidiaPciDevices, NvidiaSmiGpus
-from llamarig.plan import HostPlan, plan_host
-from llamarig.remote import (
-    SshTarget,
-    gather,
-    pyinfra_host,
-    run_on_host,
-    shell_reader,
-    ssh_alias,
-)
+from llamarig.config.ssh import SshTarget, pyinfra_host, ssh_alias
+from llamarig.converge import stage
+from llamarig.facts.files import FileHead, FileIdentity
+from llamarig.facts.gpu import NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.planner.gather import gather, run_on_host, shell_reader
+from llamarig.planner.plan import HostPlan, plan_host
 from tests.ggufmodels import write_qwen35
 
 

@@ -5,8 +5,9 @@ import shlex
 
 import pytest
 
-from llamarig import hostpaths, render
 from llamarig.config import load_inventory
+from llamarig.onhost import hostpaths
+from llamarig.planner import render
 from tests.conftest import PROJECT
 
 

@@ -18,13 +18,13 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 import yaml
 
-from llamarig import render
 from llamarig.config import ConfigError, load_inventory
-from llamarig.facts import ServerProbe, slot_counts_command
-from llamarig.gguf_header import read_gguf_header_file
+from llamarig.facts.server import ServerProbe, slot_counts_command
 from llamarig.model.catalog import model_views, with_views
-from llamarig.plan import PlannedModel, loaded_at_once, plan_host
-from llamarig.render import preset_sections_of, unloaded_by_reload
+from llamarig.model.gguf import read_gguf_header_file
+from llamarig.planner import render
+from llamarig.planner.plan import PlannedModel, loaded_at_once, plan_host
+from llamarig.planner.render import preset_sections_of, unloaded_by_reload
 from tests.conftest import PROJECT, default_http_timeouts
 from tests.ggufmodels import Qwen35Shape, write_qwen35
 
@@ -299,7 +299,7 @@ def test_a_name_has_one_shape_in_the_schema_and_the_cli():
 
 def test_the_cli_refuses_a_hostile_model_name_and_tune_a_router_rig(tmp_path, capsys):
     from llamarig.cli import main
-    from llamarig.tune import TuneError, tune_host
+    from llamarig.serving.tune import TuneError, tune_host
 
     with pytest.raises(SystemExit):
         main(["complete", "--model", "chat; rm -rf /"])

@@ -3,9 +3,9 @@ inventory, group defaults from group_data/GROUP.yml, and the rendered worker uni
 
 import pytest
 
-from llamarig import render
 from llamarig.config import ConfigError, load_inventory
-from llamarig.plan import plan_host
+from llamarig.planner import render
+from llamarig.planner.plan import plan_host
 from tests.conftest import PROJECT
 
 PAIR = """
@@ -174,7 +174,7 @@ def test_a_cuda_head_plans_memory_across_its_workers_gpus(write_inventory, tmp_p
     """Workers' declared GPUs join the head's in one layer-mode plan, in llama.cpp's order."""
     from pathlib import Path
 
-    from llamarig.gguf_header import read_gguf_header
+    from llamarig.model.gguf import read_gguf_header
     from tests.ggufmodels import write_llama
 
     model = write_llama(

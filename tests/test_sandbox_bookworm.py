@@ -25,8 +25,8 @@ import urllib.request
 
 import pytest
 
-from llamarig import render
 from llamarig.config import load_inventory
+from llamarig.planner import render
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, converge, in_sandbox, verify
 from tests.signed_bookworm import NAME, boot_id

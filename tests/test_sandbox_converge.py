@@ -32,9 +32,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llamarig import CACHE_DIR, hostpaths, render
+from llamarig import CACHE_DIR
 from llamarig.config import load_inventory
 from llamarig.config.inventory import deep_merge
+from llamarig.onhost import hostpaths
+from llamarig.planner import render
 from tests import sandboxes
 from tests.conftest import PROJECT, pyinfra_env
 from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox
@@ -537,8 +539,8 @@ def test_unknown_flag_is_refused_before_the_unit_changes(sandbox_info, tmp_path)
 def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
     """The planner's weights and KV bytes against the sizes the deployed llama-server logs at
     load (`-lv 4`, the CPU build), started by hand with the unit's arguments on another port."""
-    from llamarig.gguf_header import read_gguf_header_file
-    from llamarig.memory import kv_cache_bytes
+    from llamarig.model.gguf import read_gguf_header_file
+    from llamarig.planner.memory import kv_cache_bytes
 
     data = load_inventory(INVENTORY).hosts["sandbox"].data
     server = data["server"]
@@ -892,7 +894,7 @@ def hashed_files(sandbox_info, under: str = "/") -> list[str]:
 def test_the_model_is_hashed_once_and_a_changed_one_downloaded_again(sandbox_info, tmp_path):
     import time
 
-    from llamarig import checksums
+    from llamarig.onhost import checksums
     from llamarig_sandbox import sandbox
 
     converge()

@@ -22,8 +22,8 @@ from urllib.parse import quote
 
 import pytest
 
-from llamarig import render
 from llamarig.config import load_inventory
+from llamarig.planner import render
 from llamarig_sandbox.sandbox import MODEL_NAME as SERVED_MODEL
 from llamarig_sandbox.sandbox import WWW_DIR
 from tests import sandboxes

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llamarig.model.lock import LOCK_NAME, read_lock
+from llamarig.config.lock import LOCK_NAME, read_lock
 from llamarig_sandbox import realmodel
 from tests import sandboxes
 from tests.conftest import PROJECT

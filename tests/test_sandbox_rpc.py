@@ -22,8 +22,8 @@ import urllib.request
 
 import pytest
 
-from llamarig import render
 from llamarig.config import load_inventory
+from llamarig.planner import render
 from tests import sandboxes
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox

@@ -22,7 +22,7 @@ import re
 import pytest
 import yaml
 
-from llamarig import secureboot
+from llamarig.converge import secureboot
 from tests.sandboxes import changed_operations, deploy, fresh_sandbox, in_sandbox
 from tests.signed_bookworm import BASE_INVENTORY, MOKUTIL_LOG, fake_secure_boot_on, sandbox_run
 

@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import pytest
 
-from llamarig.pace import ROUNDS
+from llamarig.serving.pace import ROUNDS
 from llamarig_sandbox.sandbox import signal_all
 from tests import sandboxes
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox

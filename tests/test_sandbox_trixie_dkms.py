@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from llamarig.hostpaths import DRIVER_BUILD_FAILURE_PATH, DRIVER_INSTALL_LOG
+from llamarig.onhost.hostpaths import DRIVER_BUILD_FAILURE_PATH, DRIVER_INSTALL_LOG
 from tests.conftest import PROJECT
 from tests.sandboxes import deploy, fresh_sandbox, in_sandbox
 

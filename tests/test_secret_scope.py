@@ -25,16 +25,20 @@ from pathlib import Path
 import pytest
 from pyinfra.api.command import FileUploadCommand, StringCommand
 
-from llamarig import answers, factcache, hostpaths, pace, render, status, throughput
 from llamarig.config import load_inventory
-from llamarig.facts import ServerProbe, UrlHead, slot_counts_command
-from llamarig.hostjob import JobCommand
-from llamarig.httpbounds import HttpTimeouts
-from llamarig.model import header as model_header
-from llamarig.model import lock as model_lock
+from llamarig.config import lock as model_lock
+from llamarig.facts import cache as factcache
+from llamarig.facts.files import UrlHead
+from llamarig.facts.server import ServerProbe, slot_counts_command
 from llamarig.model.catalog import model_views
 from llamarig.model.files import model_files
-from llamarig.remote import plan_for
+from llamarig.onhost import hostpaths
+from llamarig.onhost.hostjob import JobCommand
+from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.planner import header as model_header
+from llamarig.planner import render
+from llamarig.planner.gather import plan_for
+from llamarig.serving import answers, pace, status, throughput
 
 TOKEN = "hf_tok3n5ecret"
 API_KEY = "sk-rig-key-91"
@@ -192,8 +196,8 @@ def stage_operations(inventory: Path, monkeypatch, deploy) -> list[tuple[str, li
     from pyinfra.api.connect import connect_all
     from pyinfra.context import ctx_host, ctx_state
 
-    from llamarig import stage
-    from llamarig.remote import pyinfra_host
+    from llamarig.config.ssh import pyinfra_host
+    from llamarig.converge import stage
 
     monkeypatch.setenv("RIG_INVENTORY", str(inventory))
     monkeypatch.setattr(stage, "_rigs", {})
@@ -329,7 +333,8 @@ URL = re.compile(r"https?://[^\s'\"]+")
 def api_key_commands(data: dict, monkeypatch) -> dict[str, str]:
     """Every command llamarig runs on the host that may carry the API key (its header file):
     the deploy's checks and `verify`'s, `status`, `complete`, `tune` (throughput and draft)."""
-    from llamarig import cli, tune
+    from llamarig import cli
+    from llamarig.serving import tune
 
     base, bounds = render.base_url(data), HttpTimeouts.of(data)
     names = tuple(view.name for view in model_views(data))

@@ -1,4 +1,4 @@
-"""driver.secure_boot: the pure decisions (llamarig/secureboot.py), Ubuntu's signed prebuilt
+"""driver.secure_boot: the pure decisions (llamarig/converge/secureboot.py), Ubuntu's signed prebuilt
 package names, the facts' parsers, and the driver stage's reading of the facts (a host whose
 facts are given; no Ubuntu archive is reachable here)."""
 
@@ -6,16 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from llamarig import secureboot
-from llamarig.facts import (
-    AptCandidates,
-    DkmsSigning,
-    FirmwareBoot,
-    MokKeyState,
-    NvidiaModule,
-)
-from llamarig.packages import prebuilt_module_packages
-from llamarig.secureboot import Decision, decide, loaded_module_problems
+from llamarig.converge import secureboot
+from llamarig.converge.secureboot import Decision, decide, loaded_module_problems
+from llamarig.facts.apt import AptCandidates
+from llamarig.facts.driver import DkmsSigning, FirmwareBoot, MokKeyState, NvidiaModule
+from llamarig.tables.packages import prebuilt_module_packages
 from tasks import driver as driver_stage
 
 UBUNTU_KERNEL = "6.8.0-50-generic"

@@ -26,10 +26,11 @@ import yaml
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from llamarig import operations, render
+from llamarig import operations
 from llamarig.config import ConfigError, load_inventory
-from llamarig.facts import ServerProbe
-from llamarig.remote import SshTarget, ssh_alias, ssh_config_value
+from llamarig.config.ssh import SshTarget, ssh_alias, ssh_config_value
+from llamarig.facts.server import ServerProbe
+from llamarig.planner import render
 from tests.conftest import default_http_timeouts
 
 PROPERTY = settings(

@@ -9,8 +9,8 @@ import copy
 import pytest
 
 from llamarig.config import ConfigError, defaults, load_inventory, rig_data
-from llamarig.gguf_header import read_gguf_header_file
-from llamarig.plan import choose_split_mode, plan_host
+from llamarig.model.gguf import read_gguf_header_file
+from llamarig.planner.plan import choose_split_mode, plan_host
 from tests.conftest import PROJECT
 from tests.ggufmodels import Qwen35Shape, llama_metadata, llama_tensors, write_gguf, write_qwen35
 

@@ -35,7 +35,7 @@ from llamarig.config import (
     load_inventory,
     strict_host_key_checking,
 )
-from llamarig.remote import SshTarget, pyinfra_host
+from llamarig.config.ssh import SshTarget, pyinfra_host
 
 RIG = """\
 all:

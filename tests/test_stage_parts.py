@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from llamarig import boot, render
-from llamarig.packages import (
+from llamarig.converge import boot
+from llamarig.planner import render
+from llamarig.tables.packages import (
     BUILD_DEPENDENCIES,
     DriverPackages,
     cuda_toolkit_package,

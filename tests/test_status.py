@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from llamarig import deploy_record, status
 from llamarig.cli import main
 from llamarig.config import load_inventory
+from llamarig.onhost import deploy_record
+from llamarig.serving import status
 
 # Tokens the stand-in's counter gains between two reads of /metrics (requests that ended), and
 # its running request between two reads of /slots.

@@ -1,5 +1,5 @@
-"""The one rule for outside text that is printed or written (llamarig.text.printable): nothing
-a terminal obeys or a reader misreads gets through, and nothing is lost."""
+"""The one rule for outside text that is printed or written (llamarig.tables.text.printable):
+nothing a terminal obeys or a reader misreads gets through, and nothing is lost."""
 
 import ast
 import unicodedata
@@ -7,7 +7,7 @@ import unicodedata
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llamarig.text import printable
+from llamarig.tables.text import printable
 
 
 def _shown_raw(character: str) -> bool:

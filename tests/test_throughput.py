@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from llamarig import throughput
-from llamarig.throughput import LOAD_TOKENS, SECTION, LoadCandidate
+from llamarig.serving import throughput
+from llamarig.serving.throughput import LOAD_TOKENS, SECTION, LoadCandidate
 
 
 def reply(gap_ms: float, tokens: int = LOAD_TOKENS) -> str:
@@ -175,7 +175,7 @@ def test_a_candidate_that_fails_to_start_is_skipped_with_why():
 
 
 def test_a_tuned_value_the_hosts_own_setting_replaces_is_named(write_inventory):
-    from llamarig.tune import overridden
+    from llamarig.serving.tune import overridden
 
     inventory = write_inventory(
         """

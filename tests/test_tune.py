@@ -12,20 +12,19 @@ import time
 import pytest
 import yaml
 
-from llamarig import tune as tune_module
 from llamarig.config import ConfigError, load_inventory
 from llamarig.config.inventory import tuned_path
-from llamarig.gguf_header import read_gguf_header_file
-from llamarig.hardware import memory_bandwidth_gbs
-from llamarig.plan import plan_host, roofline_tps
-from llamarig.throughput import (
+from llamarig.model.gguf import read_gguf_header_file
+from llamarig.planner.plan import plan_host, roofline_tps
+from llamarig.serving import tune as tune_module
+from llamarig.serving.throughput import (
     DRAFT_MAX_VALUES,
     DRAFT_PROMPTS,
     DraftMeasured,
     draft_server_data,
     start_command,
 )
-from llamarig.tune import (
+from llamarig.serving.tune import (
     CUT_AFTER,
     CUT_FLOOR_SECONDS,
     RUN_SECONDS,
@@ -42,6 +41,7 @@ from llamarig.tune import (
     with_candidate,
     write_tuned,
 )
+from llamarig.tables.hardware import memory_bandwidth_gbs
 from tests.conftest import PROJECT
 from tests.ggufmodels import write_llama
 
@@ -167,7 +167,7 @@ def test_the_sweep_stops_at_its_deadline_and_resumes(cpu_plan, tmp_path):
 
 
 class FakeClock:
-    """time.monotonic for llamarig.tune, moved on by the fake runner's runs."""
+    """time.monotonic for llamarig.serving.tune, moved on by the fake runner's runs."""
 
     def __init__(self) -> None:
         self.now = 1000.0
@@ -276,7 +276,7 @@ def test_a_bad_tuned_file_is_refused_by_name(tmp_path, content, words):
 
 
 def test_tune_refuses_a_build_without_llama_bench_before_contacting_the_host():
-    from llamarig.tune import TuneError, tune_host
+    from llamarig.serving.tune import TuneError, tune_host
 
     host = load_inventory(PROJECT / "inventory" / "hosts.yml").hosts["sandbox"]
     with pytest.raises(TuneError, match=r"targets lacks llama-bench.*add it"):
@@ -416,9 +416,9 @@ def test_the_tuned_draft_max_is_merged_under_the_hosts_spec(tmp_path):
 
 
 def test_drafting_turned_off_for_load_keeps_the_decode_draft_length_and_comes_back(tmp_path):
-    from llamarig import render
-    from llamarig.throughput import LoadCandidate, LoadMeasured
-    from llamarig.tune import overridden, write_tuned_throughput
+    from llamarig.planner import render
+    from llamarig.serving.throughput import LoadCandidate, LoadMeasured
+    from llamarig.serving.tune import overridden, write_tuned_throughput
 
     inventory, tuned = _sandbox_copy(tmp_path)
     # The rig's types come from the group `all`, under the tuned file (a host's own would win).

@@ -7,11 +7,11 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from llamarig import remote
+from llamarig.checks.runner import expectations
 from llamarig.config import load_inventory
-from llamarig.httpbounds import HttpTimeouts
-from llamarig.remote import SshTarget
-from llamarig.verify import expectations
+from llamarig.config.ssh import SshTarget
+from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.planner import gather
 from tests.conftest import PROJECT
 from tests.ggufmodels import write_qwen35
 
@@ -33,7 +33,7 @@ def unreachable_host(monkeypatch):
     def reader(data):
         return lambda fact_class, **arguments: fact_class().default()
 
-    monkeypatch.setattr(remote, "shell_reader", reader)
+    monkeypatch.setattr(gather, "shell_reader", reader)
 
 
 def test_expectations_carry_the_planned_data(file_server, tmp_path, unreachable_host):

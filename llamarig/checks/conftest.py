@@ -12,7 +12,7 @@ import shlex
 
 import pytest
 
-from llamarig.httpbounds import HttpTimeouts
+from llamarig.onhost.httpbounds import HttpTimeouts
 
 
 @pytest.fixture(scope="session")
@@ -80,7 +80,7 @@ def nvidia_rig(data) -> dict:
 @pytest.fixture(scope="module")
 def gpus(host, nvidia_rig) -> list[dict]:
     """The GPUs as nvidia-smi reports them; skipped (with the reason) on a host without one."""
-    from llamarig.facts import NvidiaPciDevices
+    from llamarig.facts.gpu import NvidiaPciDevices
 
     on_pci_bus = bool(host.run(NvidiaPciDevices().command()).stdout.strip())
     if not host.exists("nvidia-smi"):
@@ -172,7 +172,7 @@ print(text)
 
 
 def python_api(host, base: str, timeouts: HttpTimeouts):
-    from llamarig.hostpaths import API_KEY_HEADER_PATH
+    from llamarig.onhost.hostpaths import API_KEY_HEADER_PATH
 
     def call(
         path: str, body: dict | None = None, auth: bool = True, max_time: int | None = None

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from llamarig import answers, checksums
 from llamarig.config.addresses import is_loopback
-from llamarig.hardware import check_versions, cuda_architecture, device_access_problems
 from llamarig.model.catalog import is_router, model_views
-from llamarig.platform import SUPPORTED, os_key
+from llamarig.onhost import checksums
+from llamarig.serving import answers
+from llamarig.tables.hardware import check_versions, cuda_architecture, device_access_problems
+from llamarig.tables.platform import SUPPORTED, os_key
 
 BLACKLISTED = ("nouveau", "nova_core", "nova")
 BLACKLIST_FILE = "/etc/modprobe.d/llamarig-blacklist-nouveau-nova.conf"
@@ -140,7 +141,7 @@ def test_gpus_match_the_declaration(nvidia_rig, gpus):
     declared = nvidia_rig["gpus"]
     if not declared:
         pytest.skip("no `gpus` declared to compare with")
-    from llamarig.plan import compare_gpus
+    from llamarig.planner.plan import compare_gpus
 
     found = [
         {

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from llamarig.facts import NVIDIA_MODULE_NAMES, FirmwareBoot, NvidiaModule
-from llamarig.secureboot import untrusted_module_problem
+from llamarig.converge.secureboot import untrusted_module_problem
+from llamarig.facts.driver import NVIDIA_MODULE_NAMES, FirmwareBoot, NvidiaModule
 
 
 def fact(host, fact_class):

@@ -8,10 +8,10 @@ import os
 import re
 from pathlib import PurePosixPath
 
-from llamarig import hardware
 from llamarig.config.problems import Problem, shown
 from llamarig.config.versions import driver_branch_problems
-from llamarig.secureboot import DKMS_SOURCES
+from llamarig.tables import hardware
+from llamarig.tables.packages import DKMS_SOURCES
 
 # llama.cpp's most sequences per context (LLAMA_MAX_SEQ, src/llama-cparams.h at the pinned
 # commit): `-np` above it fails at context creation (n_seq_max > 256).

@@ -20,8 +20,8 @@ from llamarig.config.hosts import HostConfig, Inventory
 from llamarig.config.loader import defaults, load_yaml, shape_problem
 from llamarig.config.paths import DEFAULTS_PATH, inventory_path
 from llamarig.config.problems import ConfigError, did_you_mean, json_type
+from llamarig.config.shapes import host_name_problem
 from llamarig.config.validation import validate_host
-from llamarig.shapes import host_name_problem
 
 
 def deep_merge(base: dict, override: dict) -> dict:

@@ -14,7 +14,7 @@ from llamarig.model.files import (
 )
 from llamarig.model.reference import KEYS as HF_KEYS
 from llamarig.model.reference import HubError, read_token, validated
-from llamarig.text import printable
+from llamarig.tables.text import printable
 
 SOURCES = ("url", "path", "hf")
 

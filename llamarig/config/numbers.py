@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from llamarig.config.problems import Problem
-from llamarig.llama_args import SAMPLING
+from llamarig.tables.llama_args import SAMPLING
 
 # IEEE 754 single precision, as its bits say: the smallest normal and the largest finite.
 FLT_MIN = struct.unpack("<f", struct.pack("<I", 0x00800000))[0]

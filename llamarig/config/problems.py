@@ -9,7 +9,7 @@ import reprlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from llamarig.text import printable
+from llamarig.tables.text import printable
 
 if TYPE_CHECKING:
     from llamarig.config.hosts import HostConfig
@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 class ConfigError(Exception):
     """One or more user mistakes in the rig configuration, each a full sentence of one line:
-    a key or value quoted in it is the user's text, so it is shown escaped (``llamarig.text``)
-    wherever the error is printed."""
+    a key or value quoted in it is the user's text, so it is shown escaped
+    (``llamarig.tables.text``) wherever the error is printed."""
 
     def __init__(self, problems: list[str]):
         self.problems = [printable(problem) for problem in problems]

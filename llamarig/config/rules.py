@@ -9,7 +9,6 @@ import math
 import re
 from typing import Any
 
-from llamarig import llama_args
 from llamarig.config.addresses import WILDCARD_HOSTS, is_loopback
 from llamarig.config.contradictions import contradiction_problems
 from llamarig.config.expect import answer_problems
@@ -17,11 +16,12 @@ from llamarig.config.model_rules import model_problems
 from llamarig.config.numbers import number_problems
 from llamarig.config.paths import expand_path, local_file_text
 from llamarig.config.problems import Problem, json_type
+from llamarig.config.shapes import shape_problems
 from llamarig.config.versions import version_problems
-from llamarig.memory import CUDA_FA_KV_TYPES
 from llamarig.model.catalog import is_router, model_views
 from llamarig.model.files import model_files
-from llamarig.shapes import shape_problems
+from llamarig.tables import llama_args
+from llamarig.tables.llama_args import CUDA_FA_KV_TYPES
 
 UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
 

@@ -13,7 +13,7 @@ from jsonschema import Draft202012Validator, validators
 from llamarig.config.hosts import HostConfig
 from llamarig.config.paths import SCHEMA_PATH
 from llamarig.config.problems import Problem, did_you_mean, json_type, located, shown
-from llamarig.shapes import foreign_characters, invisible_characters
+from llamarig.config.shapes import foreign_characters, invisible_characters
 
 
 @cache

@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-from llamarig import hardware
 from llamarig.config.problems import Problem
-from llamarig.hardware import Shortfall, VersionFinding
+from llamarig.tables import hardware
+from llamarig.tables.hardware import Shortfall, VersionFinding
 
 
 def version_problems(data: dict) -> list[Problem]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from llamarig.text import printable
+from llamarig.tables.text import printable
 
 _SPLIT = re.compile(r"(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf")
 
@@ -112,7 +112,7 @@ class ModelFile:
 def model_files(data: dict) -> list[ModelFile]:
     """The model's files in order (the first is what llama-server is given): one, or each shard
     of a split model beside the first, with the sha256 given for it. A Hugging Face reference
-    must be resolved first (`llamarig.model.lock.resolved`), which sets `url` and `sha256`."""
+    must be resolved first (`llamarig.config.lock.resolved`), which sets `url` and `sha256`."""
     model = data["model"]
     count = shard_count(model_source_name(model) or "")
     digests = shard_digests(model, count)

@@ -25,7 +25,7 @@ import lzma
 import re
 from typing import Any
 
-from llamarig.gguf_header import (
+from llamarig.model.gguf import (
     GGML_TYPES,
     MAX_DIMS,
     SPLIT_COUNT,

@@ -11,10 +11,10 @@ from pyinfra.api import (
 )
 from pyinfra.facts.apt import noninteractive_apt
 
-from llamarig.driver_build import WAY_OUT
-from llamarig.factcache import known
-from llamarig.facts import AptListsAge, PackageVersions
-from llamarig.hostpaths import (
+from llamarig.facts.apt import AptListsAge, PackageVersions
+from llamarig.facts.cache import known
+from llamarig.onhost.driver_build import WAY_OUT
+from llamarig.onhost.hostpaths import (
     APT_UPDATE_STAMP,
     DRIVER_BUILD_FAILURE_PATH,
     DRIVER_INSTALL_LOG,

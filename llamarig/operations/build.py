@@ -13,11 +13,12 @@ from pyinfra.api import (
 )
 from pyinfra.facts.git import GitLocalCommit
 
-from llamarig import progress
-from llamarig.factcache import known
-from llamarig.facts import BuildDirectories, JsonFile
-from llamarig.hostjob import HostJob, JobCommand
-from llamarig.hostpaths import JOB_DIRECTORY
+from llamarig.facts.build import BuildDirectories
+from llamarig.facts.cache import known
+from llamarig.facts.files import JsonFile
+from llamarig.onhost import progress
+from llamarig.onhost.hostjob import HostJob, JobCommand
+from llamarig.onhost.hostpaths import JOB_DIRECTORY
 
 
 @operation()

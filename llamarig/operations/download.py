@@ -14,12 +14,12 @@ from pyinfra.api import (
 )
 from pyinfra.facts.files import File
 
-from llamarig import checksums, progress
-from llamarig.factcache import known
-from llamarig.facts import RecordedSha256
-from llamarig.hostjob import HostJob, JobCommand
-from llamarig.hostpaths import JOB_DIRECTORY
-from llamarig.model import lock as model_lock
+from llamarig.config import lock as model_lock
+from llamarig.facts.cache import known
+from llamarig.facts.files import RecordedSha256
+from llamarig.onhost import checksums, progress
+from llamarig.onhost.hostjob import HostJob, JobCommand
+from llamarig.onhost.hostpaths import JOB_DIRECTORY
 from llamarig.operations.host import fail
 
 
@@ -42,7 +42,7 @@ def fetch_checked(
       the credential belongs to (the Hub token: ``reference.sends_hub_token``, decided per
       shard), never for another host's; curl drops it on a redirect to another host, scheme
       or port (no ``--location-trusted``)
-    + records: the root-only directory of checksum records (``llamarig.checksums``)
+    + records: the root-only directory of checksum records (``llamarig.onhost.checksums``)
 
     The download goes to ``dest.part`` (resumed with HTTP ranges after an interruption). A
     complete download with the wrong digest is deleted and the operation fails; the file at
@@ -187,7 +187,7 @@ def record_checksum(path: str, rehash: bool = False, records: str = checksums.RE
 
     + path: absolute path; nothing is done when no regular file is there
     + rehash: hash it even when its record is valid (the record is written again)
-    + records: the root-only directory of checksum records (``llamarig.checksums``)
+    + records: the root-only directory of checksum records (``llamarig.onhost.checksums``)
 
     Before ``fetch_checked``, it takes the first hash of a file that is already in place (a
     file from before records existed, or one changed on the host) out of the download: a
@@ -225,7 +225,7 @@ def check_file(
     + path: absolute path
     + sha256: expected digest, or None to only require the file
     + rehash: hash the file even when a record says it is unchanged since its last hash
-    + records: the root-only directory of checksum records (``llamarig.checksums``)
+    + records: the root-only directory of checksum records (``llamarig.onhost.checksums``)
 
     The file is hashed when it has no valid record (the first run, or the file changed since):
     that run reports a change, the record written; later runs read the record. A record of

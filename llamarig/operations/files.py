@@ -17,9 +17,9 @@ from pyinfra.api import (
 from pyinfra.facts.files import Directory, File, FileContents, Link
 from pyinfra.operations.util.files import generate_color_diff
 
-from llamarig.factcache import known
-from llamarig.facts import FileState
-from llamarig.hostpaths import ATOMIC_SUFFIX
+from llamarig.facts.cache import known
+from llamarig.facts.files import FileState
+from llamarig.onhost.hostpaths import ATOMIC_SUFFIX
 from llamarig.operations.host import fail
 
 

@@ -15,9 +15,7 @@ from pyinfra.api import (
     operation,
 )
 
-from llamarig.facts import (
-    MokKeyState,
-)
+from llamarig.facts.driver import MokKeyState
 
 
 @operation(is_idempotent=False)

@@ -17,22 +17,20 @@ from pyinfra.api import (
     operation,
 )
 
-from llamarig import deploy_record, pace
-from llamarig.answers import Answer, verdict
-from llamarig.answers import check_command as answer_check_command
-from llamarig.answers import parse_output as parse_answer_output
-from llamarig.factcache import known
-from llamarig.facts import (
-    PROBE_COMPLETION,
-    MeasuredOverheads,
-    ServerProbe,
-    UnitState,
-)
-from llamarig.hostpaths import CURL_AUTH
-from llamarig.httpbounds import HttpTimeouts
-from llamarig.llama_args import option_name
+from llamarig.facts.cache import known
+from llamarig.facts.gpu import MeasuredOverheads
+from llamarig.facts.server import PROBE_COMPLETION, ServerProbe
+from llamarig.facts.systemd import UnitState
+from llamarig.onhost import deploy_record
+from llamarig.onhost.hostpaths import CURL_AUTH
+from llamarig.onhost.httpbounds import HttpTimeouts
 from llamarig.operations.host import connected_host, fail
 from llamarig.operations.systemd import drain, journal_tail_command, restart_command
+from llamarig.serving import pace
+from llamarig.serving.answers import Answer, verdict
+from llamarig.serving.answers import check_command as answer_check_command
+from llamarig.serving.answers import parse_output as parse_answer_output
+from llamarig.tables.llama_args import option_name
 
 
 def _serving_check(
@@ -177,9 +175,10 @@ def serve_or_roll_back(
     + last_good: directory holding copies of those three from the last version that served;
       refreshed after every successful start
     + http_timeouts: the rig's server.http_timeouts: every request to the server is bounded
-    + answers: the rig's ``expect.answers`` (``llamarig.answers.answers``), asked greedily once
-      it serves; judged here, on the control machine, as ``llamarig verify`` judges them
-    + max_slowdown: the share by which the decode speed (``llamarig.pace``: the best of 3
+    + answers: the rig's ``expect.answers`` (``llamarig.serving.answers.answers``), asked
+      greedily once it serves; judged here, on the control machine, as ``llamarig verify``
+      judges them
+    + max_slowdown: the share by which the decode speed (``llamarig.serving.pace``: the best of 3
       greedy completions, 3 more, then the last version measured again and the new one once
       more before a refusal) may fall below the last good version's before the new one is
       rolled back; None: not measured

@@ -13,9 +13,10 @@ from pyinfra.api import (
     operation,
 )
 
-from llamarig.factcache import known
-from llamarig.facts import UnitState, parse_slot_counts, slot_counts_command
-from llamarig.httpbounds import HttpTimeouts
+from llamarig.facts.cache import known
+from llamarig.facts.server import parse_slot_counts, slot_counts_command
+from llamarig.facts.systemd import UnitState
+from llamarig.onhost.httpbounds import HttpTimeouts
 from llamarig.operations.host import connected_host, fail
 
 # How often a drain polls the slots, and how often it says what it waits for.

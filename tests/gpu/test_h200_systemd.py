@@ -48,8 +48,8 @@ if not (shutil.which("nvidia-smi") and os.geteuid() == 0 and os.environ.get("LLA
     )
 
 from bench import gpu_bench as bench  # noqa: E402
-from llamarig import render  # noqa: E402
-from llamarig.hardware import device_access_problems  # noqa: E402
+from llamarig.planner import render  # noqa: E402
+from llamarig.tables.hardware import device_access_problems  # noqa: E402
 from llamarig_sandbox.systemdroot import SystemdRoot  # noqa: E402
 
 PROJECT = Path(__file__).resolve().parents[2]

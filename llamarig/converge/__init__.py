@@ -1,0 +1,2 @@
+"""What the deploy's stages share and decide: the host's plan and rig data and the managed state
+read at once (`stage`), reboots (`boot`), and module signing under Secure Boot (`secureboot`)."""

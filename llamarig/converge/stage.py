@@ -1,0 +1,224 @@
+"""Shared helpers of the deploy stages in tasks/: the host's rig data and plan, the host's
+state read in two round trips, a refusal, a service kept running, the builds pruned.
+
+pyinfra prepares each host by running deploy.py for it; the rig data and plan are kept per host
+so that every stage reads the one validated copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from pyinfra import host, logger, state
+from pyinfra.api.exceptions import DeployError
+from pyinfra.api.operation import OperationMeta
+from pyinfra.connectors.local import LocalConnector
+from pyinfra.facts.files import Directory, File, FileContents, Link
+from pyinfra.facts.git import GitLocalCommit
+from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
+
+from llamarig import operations
+from llamarig.config import ConfigError, rig_data
+from llamarig.config.lock import LockError, lock_path, resolved
+from llamarig.converge import boot
+from llamarig.facts.apt import AptListsAge, PackageVersions
+from llamarig.facts.build import BuildDirectories, MissingCommands
+from llamarig.facts.cache import known, prefetch
+from llamarig.facts.driver import DriverBuildFailure, FirmwareBoot
+from llamarig.facts.files import FileIdentity, FileState, JsonFile, RecordedSha256
+from llamarig.facts.gpu import MeasuredOverheads, NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.facts.server import RunningService
+from llamarig.facts.systemd import UnitState
+from llamarig.model.catalog import is_router, served_data
+from llamarig.model.files import model_files
+from llamarig.model.reference import HubError
+from llamarig.onhost import checksums, deploy_record, hostpaths
+from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.planner import render
+from llamarig.planner.gather import plan_for
+from llamarig.planner.plan import HostPlan
+from llamarig.tables.packages import BUILD_DEPENDENCIES, DKMS_SOURCES, build_tools
+
+_rigs: dict[str, dict] = {}
+_plans: dict[str, HostPlan] = {}
+# The headers each host's plan read from the model's files: (key, header), and the declared
+# records they replace.
+_headers_read: dict[str, tuple[list, list]] = {}
+
+
+def rig() -> dict:
+    """The validated rig data of the host being prepared, a Hugging Face reference resolved
+    (on this machine, through models.lock.yml) into the URL and sha256 the download uses."""
+    if host.name not in _rigs:
+        deploy_record.register(state)
+        try:
+            data = rig_data(host.data.dict())
+        except ConfigError as error:
+            refuse(error.problems)
+        try:
+            _rigs[host.name] = data if data["role"] == "rpc-worker" else resolved(data)
+        except HubError as error:
+            refuse([f"{'.'.join(error.key_path)}: {error.message}"])
+    return _rigs[host.name]
+
+
+def plan() -> HostPlan:
+    """The plan of the host being prepared: its GPUs (nvidia-smi, else PCI ids) and the model's
+    GGUF header (read from the model's URL, else from the file on the host)."""
+    if host.name not in _plans:
+        try:
+            _plans[host.name], gathered = plan_for(host.name, rig(), known)
+        except LockError as error:  # models.lock.yml: its message names the entry and the fix
+            refuse([error.message])
+        for warning in gathered.warnings:
+            host.noop(warning)
+        _headers_read[host.name] = gathered.read, gathered.superseded
+        if _plans[host.name].provisional:  # shown without -v: the unit may change later
+            host.log_styled(_plans[host.name].provisional, fg="yellow", log_func=logger.warning)
+    return _plans[host.name]
+
+
+def record_headers() -> OperationMeta:
+    """Record in models.lock.yml the model headers this host's plan read from the files, once
+    the model stage has checked them (an operation after the downloads: a file that fails its
+    sha256 leaves no record, and a dry run writes none)."""
+    read, superseded = _headers_read.get(host.name, ([], []))
+    return operations.record_headers(
+        name="Record the model's GGUF header(s) in models.lock.yml (for plans made elsewhere)",
+        lock=str(lock_path()),
+        read=read,
+        superseded=superseded,
+    )
+
+
+def read_system() -> None:
+    """The facts preflight and the plan read (operating system, kernel, firmware, GPUs, the
+    identity of a model file without a sha256, the key of its kept header), in one round trip."""
+    data = rig()
+    requests = [
+        (LinuxDistribution, {}),
+        (Arch, {}),
+        (KernelVersion, {}),
+        (FirmwareBoot, {}),
+        (NvidiaPciDevices, {}),
+        (NvidiaSmiGpus, {}),
+    ]
+    if data["driver"]["source"] in DKMS_SOURCES:
+        requests.append((DriverBuildFailure, {}))
+    if data["llama_cpp"]["backend"] == "cuda":
+        requests.append((MeasuredOverheads, {"path": hostpaths.OVERHEADS_DIR}))
+        if data["role"] != "rpc-worker":
+            files = [file for served in served_data(data) for file in model_files(served)]
+            unchecked = [file.dest for file in files if not file.sha256]
+            requests += [(FileIdentity, {"path": path}) for path in unchecked]
+    prefetch(requests)
+
+
+def read_managed_state() -> None:
+    """What the stages' operations read of the files, packages, units and builds llamarig
+    manages, in one round trip; on a run that changes nothing they read no more."""
+    data = plan().resolved
+    paths = render.layout(data)
+    service = f"{data['server']['service']}.service"
+    small_files = [paths["unit"], paths["env_file"], paths["launcher"], paths["rpc_unit"]]
+    if is_router(data):  # the presets, and those that last served (what a reload unloads)
+        small_files += [paths["presets"], f"{paths['last_good']}/presets"]
+    if data["driver"]["source"] != "none" and data["kernel_modules"]["manage"]:
+        small_files += [boot.BLACKLIST_PATH, boot.MODULES_LOAD_PATH]
+    requests = [(FileState, {"path": path}) for path in small_files] + [
+        (AptListsAge, {}),
+        (Link, {"path": paths["current"]}),
+        (JsonFile, {"path": paths["build_marker"]}),
+        (GitLocalCommit, {"repo": paths["source"]}),
+        (BuildDirectories, {"path": paths["builds"]}),
+        (FileContents, {"path": f"{paths['last_good']}/current"}),
+        *([(FileContents, {"path": f"{paths['last_good']}/presets"})] if is_router(data) else []),
+        (RunningService, {"service": service, "model": paths["model"]}),
+        (UnitState, {"unit": service}),
+        (UnitState, {"unit": f"{data['rpc']['service']}.service"}),
+    ]
+    if data["llama_cpp"]["build_dependencies"] == "apt":
+        requests.append((PackageVersions, {"packages": sorted(BUILD_DEPENDENCIES)}))
+    else:
+        tools = build_tools(data["llama_cpp"]["ccache"])
+        requests.append((MissingCommands, {"commands": tools}))
+    if data["cuda"]["source"] == "preinstalled":
+        requests.append((File, {"path": render.nvcc_path(data)}))
+    if data["role"] != "rpc-worker":
+        records = checksums.RECORD_DIRECTORY
+        served = served_data(rig())
+        requests += [
+            (RecordedSha256, {"path": shard.dest, "records": records})
+            for model in served
+            for shard in model_files(model)
+        ]
+        if any(not model["model"]["path"] for model in served):
+            requests.append((Directory, {"path": data["paths"]["models"]}))
+    # The key is copied when one is given (its mode and digest), else removed (it exists?).
+    key_fact = FileState if data["server"]["api_key_file"] else File
+    requests += [
+        (key_fact, {"path": hostpaths.API_KEY_PATH}),
+        (File, {"path": hostpaths.API_KEY_HEADER_PATH}),
+    ]
+    # The Hub token likewise: written while a model needs it, else removed (tasks/model.py).
+    hub_token = data["role"] != "rpc-worker" and any(
+        model["model"]["hf"] and model["model"]["token_file"] for model in served_data(rig())
+    )
+    requests.append((FileState if hub_token else File, {"path": hostpaths.HUB_TOKEN_HEADER_PATH}))
+    if not is_router(data) and data["role"] != "rpc-worker":
+        requests.append((File, {"path": paths["presets"]}))  # removed, if a router left it
+    prefetch(requests)
+
+
+def refuse(problems: list[str]) -> None:
+    """Stop before anything is changed, with every problem on its own line."""
+    raise DeployError("\n".join(f"{host.name}: {problem}" for problem in problems))
+
+
+def is_local() -> bool:
+    """True for pyinfra's @local host, which llamarig never reboots."""
+    return issubclass(host.connector_cls, LocalConnector)
+
+
+def service_running(
+    service: str,
+    out_of_date: Callable[[], bool],
+    why: str,
+    drain_url: str | None = None,
+    drain_timeout: int = 0,
+    drain_bounds: HttpTimeouts | None = None,
+    drain_host: str | None = None,
+    drain_service: str | None = None,
+    drain_models: tuple[str, ...] = (),
+) -> tuple[OperationMeta, OperationMeta]:
+    """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
+    inputs) unless this run just started it, after the requests in flight at ``drain_url``
+    (on ``drain_host``'s ``drain_service``, else this host's) finished, at most
+    ``drain_timeout`` seconds, each look bounded by ``drain_bounds`` (that server's
+    server.http_timeouts; ``drain_models``: a router's models); returns the start and the
+    restart."""
+    started = operations.unit_running(name=f"{service} enabled and running", unit=service)
+    restarted = operations.restart_service(
+        name=f"Restart {service} ({why})",
+        service=service,
+        drain_url=drain_url,
+        drain_timeout=drain_timeout,
+        drain_bounds=drain_bounds,
+        drain_host=drain_host,
+        drain_service=drain_service,
+        drain_models=drain_models,
+        _if=lambda: out_of_date() and not started.did_change(),
+    )
+    return started, restarted
+
+
+def prune_builds(data: dict) -> OperationMeta:
+    """Delete the builds beyond ``keep_builds``, never the current one or the last that served."""
+    paths = render.layout(data)
+    return operations.prune_builds(
+        name=f"Keep the newest {data['llama_cpp']['keep_builds']} builds",
+        builds=paths["builds"],
+        keep=data["llama_cpp"]["keep_builds"],
+        current=paths["build"],
+        last_good=(known(FileContents, path=f"{paths['last_good']}/current") or [None])[0],
+    )

@@ -1,0 +1,266 @@
+"""`llamarig init`: probe a box and write its inventory entry, so nobody types bus ids by hand.
+
+The probe reads what the deploy's own facts read (nvidia-smi, else the PCI ids before a driver
+exists; /etc/*-release; the toolkit's nvcc); the entry is the Ansible-style YAML of one host:
+its ssh settings, the GPUs in PCI bus order with names, memory, compute capability and bus ids,
+and a suggested driver and CUDA source. With a model the entry gets it too, and the split the
+planner chose for these GPUs. The result is loaded as an inventory before it is written.
+
+What the box prints is untrusted input: every value that goes into the entry is checked for its
+shape first (a GPU's name printable text, its memory a whole number of MiB, bus ids, compute
+capability and driver version as nvidia-smi writes them), and one that is not (`[N/A]`, a name
+with a comma that splits nvidia-smi's CSV line, an escape sequence) is a `ProbeError` naming the
+field, its value shown escaped (`llamarig.tables.text.printable`). What is only shown (the release's
+name, warnings) is written escaped.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import yaml
+from pyinfra.api import FactBase
+from pyinfra.facts.server import LinuxDistribution
+
+from llamarig.facts.build import NvccVersion
+from llamarig.facts.cache import Reader
+from llamarig.facts.gpu import NVIDIA_SMI_FIELDS, NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.tables import platform
+from llamarig.tables.hardware import gpus_from_pci, pci_sort_key
+from llamarig.tables.text import printable
+
+
+class ProbeError(Exception):
+    """What the box printed that cannot go into an entry: the field named, the value escaped."""
+
+
+# The shapes of what goes into the entry (llamarig/schema.json's `gpus` items, tighter).
+BUS_ID = re.compile(r"^([0-9A-Fa-f]{4,8}:)?[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
+COMPUTE_CAPABILITY = re.compile(r"^[0-9]{1,2}\.[0-9]$")
+DRIVER_VERSION = re.compile(r"^[0-9]{1,4}(\.[0-9]{1,4}){1,3}$")
+PCI_DEVICE_ID = re.compile(r"^0x[0-9A-Fa-f]{4}$")
+MAX_NAME_CHARACTERS = 96
+MAX_GPUS = 64
+MAX_VRAM_MIB = 2**31 - 1
+
+
+def _shown(value: object) -> str:
+    """A value from the box as a message shows it: quoted, control characters escaped."""
+    return f"'{printable(value)}'"
+
+
+class CommandOutput(FactBase):
+    """The lines another fact's command prints, unparsed: read again when that fact's own
+    parser failed on them, so that the refusal can name the line and the field."""
+
+    default = list
+
+    def command(self, of: type) -> str:
+        return of().command()
+
+    def process(self, output):
+        return list(output)
+
+
+# Errors a fact's parser raises on output it does not expect (int("[N/A]"), a line with a
+# field too many, output that is not UTF-8, a release file named `..`).
+_PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)
+
+
+def _smi_line_problem(number: int, line: str) -> str | None:
+    """What keeps one line of nvidia-smi's CSV from being a GPU's record, or None."""
+    values = [value.strip() for value in line.split(",")]
+    if len(values) != len(NVIDIA_SMI_FIELDS):
+        return (
+            f"nvidia-smi's GPU line {number} holds {len(values)} comma-separated fields, not "
+            f"{len(NVIDIA_SMI_FIELDS)}: one holds a comma (the GPU's name?), so no field can be "
+            f"told from the next: {_shown(line)}"
+        )
+    record = dict(zip(NVIDIA_SMI_FIELDS, values, strict=True))
+    for field in ("index", "memory.total"):
+        if not record[field].isdigit():
+            return (
+                f"nvidia-smi's GPU line {number}: {field} is {_shown(record[field])}, not a "
+                "number (where nvidia-smi does not know it, write the GPU's entry by hand: "
+                "docs/inventory.md, `gpus`)"
+            )
+    return None
+
+
+def _smi_problem(lines: list[str], error: Exception) -> str:
+    for number, line in enumerate((line for line in lines if line.strip()), 1):
+        problem = _smi_line_problem(number, line)
+        if problem:
+            return problem
+    return f"nvidia-smi's GPU list (--query-gpu) could not be read: {printable(error)}"
+
+
+def _pci_problem(lines: list[str], error: Exception) -> str:
+    for number, line in enumerate((line for line in lines if line.strip()), 1):
+        if len(line.split()) != 4:
+            return (
+                f"the PCI device list (/sys/bus/pci) line {number} holds {len(line.split())} "
+                f"fields, not 4 (bus id, device id, class, driver): {_shown(line)}"
+            )
+    return f"the PCI device list (/sys/bus/pci) could not be read: {printable(error)}"
+
+
+def _read_gpus(reader: Reader, fact: type, problem) -> list[dict] | None:
+    """``fact``'s GPUs, or a ProbeError naming the line its parser could not read."""
+    try:
+        return reader(fact)
+    except _PARSE_ERRORS as error:
+        try:
+            lines = reader(CommandOutput, of=fact)
+        except _PARSE_ERRORS:
+            lines = []
+        raise ProbeError(problem(lines or [], error)) from None
+
+
+def _read(reader: Reader, fact: type, what: str):
+    """``fact`` read, or a ProbeError saying that ``what`` could not be read and why."""
+    try:
+        return reader(fact)
+    except (*_PARSE_ERRORS, OSError) as error:
+        raise ProbeError(f"{what} could not be read: {printable(error)}") from None
+
+
+def _checked_gpus(gpus: list[dict], source: str) -> list[dict]:
+    """``gpus`` (from nvidia-smi or the PCI ids) if every field that goes into the entry has
+    its shape; else a ProbeError naming the GPU, the field and its value."""
+    if len(gpus) > MAX_GPUS:
+        raise ProbeError(f"{source} lists {len(gpus)} GPUs; one box holds at most {MAX_GPUS}")
+    for number, gpu in enumerate(gpus, 1):
+        where = f"{source}, GPU {number}"
+        name, vram = gpu.get("name"), gpu.get("vram_mib")
+        if not isinstance(name, str) or not name.strip() or not name.isprintable():
+            raise ProbeError(
+                f"{where}: name {_shown(name)} is not a GPU's name (printable text without "
+                "control characters)"
+            )
+        if len(name) > MAX_NAME_CHARACTERS:
+            raise ProbeError(
+                f"{where}: name {_shown(name[:40])}... is longer than {MAX_NAME_CHARACTERS} "
+                "characters"
+            )
+        if not isinstance(vram, int) or not 0 < vram <= MAX_VRAM_MIB:
+            raise ProbeError(f"{where}: memory.total {_shown(vram)} is not a number of MiB")
+        if not COMPUTE_CAPABILITY.fullmatch(str(gpu.get("compute_capability"))):
+            raise ProbeError(
+                f"{where}: compute_cap {_shown(gpu.get('compute_capability'))} is not a compute "
+                "capability such as 8.6"
+            )
+        if not BUS_ID.fullmatch(str(gpu.get("bus_id"))):
+            field = "pci.bus_id" if source == "nvidia-smi" else "bus id"
+            raise ProbeError(
+                f"{where}: {field} {_shown(gpu.get('bus_id'))} is not a PCI bus id such as "
+                "0000:01:00.0"
+            )
+        driver = gpu.get("driver_version")
+        if source == "nvidia-smi" and not DRIVER_VERSION.fullmatch(str(driver)):
+            raise ProbeError(
+                f"{where}: driver_version {_shown(driver)} is not a driver version such as "
+                "580.95.05"
+            )
+    return gpus
+
+
+def _pci_devices(reader: Reader) -> list[dict]:
+    """The NVIDIA devices on the PCI bus, each bus and device id of its shape."""
+    devices = _read_gpus(reader, NvidiaPciDevices, _pci_problem) or []
+    for number, device in enumerate(devices, 1):
+        for key, shape, what in (
+            ("bus_id", BUS_ID, "bus id"),
+            ("device_id", PCI_DEVICE_ID, "device id"),
+        ):
+            if not shape.fullmatch(str(device.get(key))):
+                raise ProbeError(
+                    f"the PCI device list (/sys/bus/pci), device {number}: {what} "
+                    f"{_shown(device.get(key))} is not a PCI {what}"
+                )
+    return devices
+
+
+@dataclass
+class Probe:
+    gpus: list[dict]  # name, vram_mib, compute_capability, bus_id
+    gpu_source: str  # nvidia-smi | PCI ids | none
+    driver_version: str | None
+    distribution: dict
+    nvcc_version: str | None
+    warnings: list[str]
+
+
+def probe(reader: Reader) -> Probe:
+    """What the box has, read through ``reader`` (pyinfra facts or ssh). Raises ProbeError
+    when what it printed cannot go into an entry."""
+    warnings: list[str] = []
+    smi = _read_gpus(reader, NvidiaSmiGpus, _smi_problem)
+    if smi:
+        gpus, source = _checked_gpus(smi, "nvidia-smi"), "nvidia-smi"
+        driver = smi[0]["driver_version"]
+    else:
+        gpus, warnings = gpus_from_pci(_pci_devices(reader))
+        gpus = _checked_gpus(gpus, "the PCI ids")
+        source, driver = ("PCI ids" if gpus else "none"), None
+    distribution = _read(reader, LinuxDistribution, "the release files (/etc/*-release)") or {}
+    warnings += platform.os_problems(distribution, "x86_64")
+    nvcc = _read(reader, NvccVersion, "the CUDA toolkit's version (nvcc --version)")
+    by_bus = sorted(gpus, key=lambda gpu: pci_sort_key(gpu.get("bus_id") or "0:0:0.0"))
+    return Probe(by_bus, source, driver, distribution, nvcc, warnings)
+
+
+def host_entry(ssh: dict, found: Probe) -> dict:
+    """The host's settings: ssh, gpus in bus order, and the suggested sources."""
+    settings: dict = {"ssh": ssh}
+    if not found.gpus:
+        settings.update(
+            driver={"source": "none"},
+            cuda={"source": "none"},
+            llama_cpp={"backend": "cpu"},
+            server={"split_mode": "none"},
+        )
+        return settings
+    settings["gpus"] = [
+        {
+            "name": gpu["name"],
+            "vram_mib": gpu["vram_mib"],
+            "compute_capability": gpu["compute_capability"],
+            "pci_bus_id": gpu["bus_id"],
+        }
+        for gpu in found.gpus
+    ]
+    # A driver that already answers is kept; otherwise NVIDIA's repository, branch-pinned.
+    settings["driver"] = {"source": "preinstalled" if found.driver_version else "nvidia-repo"}
+    settings["cuda"] = (
+        {"source": "preinstalled", "version": found.nvcc_version}
+        if found.nvcc_version
+        else {"source": "nvidia-repo"}
+    )
+    return settings
+
+
+def inventory_document(name: str, settings: dict) -> dict:
+    return {"all": {"children": {"rigs": {"hosts": {name: settings}}}}}
+
+
+def render_entry(name: str, found: Probe, document: dict) -> str:
+    """The inventory as YAML, with what was probed said in comments at the top."""
+    # What the box said is shown escaped: a line break cannot end the comment, an escape
+    # sequence cannot reach the terminal that shows the file.
+    release = (found.distribution.get("release_meta") or {}).get("PRETTY_NAME", "unknown OS")
+    lines = [
+        f"# Written by `llamarig init` for {name}: {printable(release)}; GPUs from "
+        f"{found.gpu_source}"
+        + (f" (driver {printable(found.driver_version)})" if found.driver_version else "")
+        + (
+            f"; CUDA {printable(found.nvcc_version)} at /usr/local/cuda"
+            if found.nvcc_version
+            else ""
+        )
+        + ".",
+        *(f"# warning: {printable(warning)}" for warning in found.warnings),
+    ]
+    body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False)
+    return "\n".join(lines) + "\n" + body
