@@ -322,10 +322,10 @@ def answers(port: int) -> str:
 
 
 def measure_size(info, size_gib: float, runs: int, directory: Path, logs: Path) -> dict:
-    from llamarig_sandbox import bigmodel, realmodel, sandbox
+    from llamarig_sandbox import bigmodel, layout, realmodel
 
     size = size_bytes(size_gib)
-    source = sandbox.DOWNLOADS_DIR / realmodel.NAME
+    source = layout.DOWNLOADS_DIR / realmodel.NAME
     model_path = f"{MODEL_DIR}/smollm2-135m-q4_1-padded-{size}.gguf"
     on_host = Path(info.root_dir) / model_path.lstrip("/")
     _say(f"{size_label(size_gib)}: sha256 of the padded file")
@@ -430,9 +430,9 @@ def machine() -> str:
 
 def versions(info) -> str:
     from llamarig.config import defaults
-    from llamarig_sandbox import sandbox
+    from llamarig_sandbox import sshaccess
 
-    coreutils = sandbox.ssh(info, "sha256sum --version | head -n1", timeout=60).stdout.strip()
+    coreutils = sshaccess.ssh(info, "sha256sum --version | head -n1", timeout=60).stdout.strip()
     return (
         f"Python {platform.python_version()}, pyinfra {metadata.version('pyinfra')},"
         f" paramiko {metadata.version('paramiko')}, llama.cpp"
@@ -489,7 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs must be at least 1")
     if os.geteuid() != 0:
         parser.error("the sandbox needs root (systemd-nspawn)")
-    from llamarig_sandbox.sandbox import SandboxError
+    from llamarig_sandbox.processes import SandboxError
 
     try:
         results = run(args.sizes, args.runs)

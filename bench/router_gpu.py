@@ -28,7 +28,9 @@ from llamarig.config import load_inventory  # noqa: E402
 from llamarig.model.catalog import model_views, with_views  # noqa: E402
 from llamarig.model.gguf import read_gguf_header_file
 from llamarig.planner import render
-from llamarig.planner.plan import PlannedModel, loaded_at_once, plan_host
+from llamarig.planner.host_plan import PlannedModel
+from llamarig.planner.plan import plan_host
+from llamarig.planner.router_plan import loaded_at_once
 
 PORT = 8190
 NAMES = ("llama-8b", "llama-32b")

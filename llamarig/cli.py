@@ -31,19 +31,26 @@ from llamarig.onhost.httpbounds import HttpTimeouts
 from llamarig.planner import render
 from llamarig.planner.enroll import ProbeError, host_entry, inventory_document, probe, render_entry
 from llamarig.planner.gather import Gathered, plan_for, run_on_host, shell_reader
-from llamarig.planner.plan import HostPlan
+from llamarig.planner.host_plan import HostPlan
 from llamarig.serving import answers, status
 from llamarig.serving.tune import TuneError, tune_host
 from llamarig.tables.text import printable
 
 
-def _chosen_hosts(args: argparse.Namespace) -> dict[str, HostConfig] | None:
-    """The hosts of RIG_INVENTORY a command acts on: all, or the one ``--host`` names; None,
-    said on stderr, when the inventory has no host of that name."""
+class _Refusal(Exception):
+    """Why a verb stops short: `main` says it on stderr, as it is, and exits with ``status``."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+def _chosen_hosts(args: argparse.Namespace) -> dict[str, HostConfig]:
+    """The hosts of RIG_INVENTORY a command acts on: all, or the one ``--host`` names; refused
+    when the inventory has no host of that name."""
     inventory = load_inventory()
     if args.host and args.host not in inventory.hosts:
-        print(f"llamarig: no host {args.host!r} in {inventory.path}", file=sys.stderr)
-        return None
+        raise _Refusal(f"llamarig: no host {args.host!r} in {inventory.path}")
     return {n: h for n, h in inventory.hosts.items() if not args.host or n == args.host}
 
 
@@ -52,23 +59,17 @@ def _chosen_hosts(args: argparse.Namespace) -> dict[str, HostConfig] | None:
 PROVISIONAL_STATUS = 3
 
 
-def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered]] | None:
-    """Each chosen host's plan (a Hugging Face reference resolved) and what it read; None, the
-    problem printed, when the inventory or a reference is refused. The host is contacted only
-    with --probe; a local host's model file is read in place."""
-    hosts = _chosen_hosts(args)
-    if hosts is None:
-        return None
+def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered]]:
+    """Each chosen host's plan (a Hugging Face reference resolved) and what it read; refused
+    when a reference cannot be resolved. The host is contacted only with --probe; a local
+    host's model file is read in place."""
     found = {}
-    for name, host_config in hosts.items():
+    for name, host_config in _chosen_hosts(args).items():
         try:
             data = resolved(host_config.data, update=args.update_models or None)
         except HubError as error:
-            print(
-                f"llamarig: {located(host_config, Problem(error.key_path, error.message))}",
-                file=sys.stderr,
-            )
-            return None
+            problem = located(host_config, Problem(error.key_path, error.message))
+            raise _Refusal(f"llamarig: {problem}") from error
         contact = args.probe or data["ssh"].get("local")
         reader = shell_reader(data) if contact else None
         found[name] = plan_for(name, data, reader, gpus=args.probe, model=args.model)
@@ -76,10 +77,7 @@ def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered]] |
 
 
 def _plan(args: argparse.Namespace) -> int:
-    found = _planned(args)
-    if found is None:
-        return 2
-    plans = {name: host_plan for name, (host_plan, _) in found.items()}
+    plans = {name: host_plan for name, (host_plan, _) in _planned(args).items()}
     if args.json:
         print(json.dumps({"hosts": {n: p.to_json() for n, p in plans.items()}}, indent=2))
     else:
@@ -97,11 +95,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _lock(args: argparse.Namespace) -> int:
     """Record in models.lock.yml the GGUF header of each model file the planner reads."""
-    found = _planned(args)
-    if found is None:
-        return 2
     lock, status = lock_path(), 0
-    for name, (host_plan, gathered) in found.items():
+    for name, (host_plan, gathered) in _planned(args).items():
         data = host_plan.resolved
         if data["llama_cpp"]["backend"] != "cuda" or data["role"] == "rpc-worker":
             print(f"{name}: nothing to record (only a CUDA rig's plan reads the model's header)")
@@ -121,11 +116,8 @@ def _lock(args: argparse.Namespace) -> int:
 
 
 def _complete(args: argparse.Namespace) -> int:
-    hosts = _chosen_hosts(args)
-    if hosts is None:
-        return 2
     status = 0
-    for name, host_config in hosts.items():
+    for name, host_config in _chosen_hosts(args).items():
         data = host_config.data
         if data["role"] == "rpc-worker":
             # A worker runs no llama-server: whatever listens at server.port there gets no key.
@@ -174,16 +166,12 @@ def _complete(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    hosts = _chosen_hosts(args)
-    if hosts is None:
-        return 2
-    return max((verify_host(h, args.pytest_args, args.rehash) for h in hosts.values()), default=0)
+    hosts = _chosen_hosts(args).values()
+    return max((verify_host(h, args.pytest_args, args.rehash) for h in hosts), default=0)
 
 
 def _status(args: argparse.Namespace) -> int:
     hosts = _chosen_hosts(args)
-    if hosts is None:
-        return 2
     window = args.watch or args.window
     while True:
         started = time.monotonic()
@@ -211,12 +199,10 @@ def _run(args: argparse.Namespace) -> int:
     inventory = load_inventory()
     names = [args.host] if args.host else list(inventory.hosts)
     if len(names) != 1 or names[0] not in inventory.hosts:
-        print(
+        raise _Refusal(
             f"llamarig: name one host of {inventory.path} with --host "
-            f"({', '.join(inventory.hosts)})",
-            file=sys.stderr,
+            f"({', '.join(inventory.hosts)})"
         )
-        return 2
     data = inventory.hosts[names[0]].data
     launcher = [render.layout(data)["launcher"], *args.server_args]
     if data["server"]["supervisor"] == "systemd":
@@ -228,8 +214,7 @@ def _run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     if data["ssh"].get("local"):
         if not os.access(launcher[0], os.X_OK):
-            print(f"llamarig: no launcher {launcher[0]}: run the deploy first", file=sys.stderr)
-            return 1
+            raise _Refusal(f"llamarig: no launcher {launcher[0]}: run the deploy first", status=1)
         os.execv(launcher[0], launcher)
     # -t: a terminal, so Ctrl-C stops the remote server too.
     os.execvp("ssh", [*SshTarget.of(data["ssh"]).argv("-t"), shlex.join(launcher)])
@@ -242,7 +227,6 @@ MODEL_HINT = (
     "--sha256 HEX` also plans the split.\n"
 )
 
-
 INIT_REACH_TIMEOUT_S = 60
 # A login name as the loader takes `ssh.user` (llamarig/config/shapes.py): never an ssh option.
 LOGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -251,12 +235,10 @@ LOGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 def _init_problems(args: argparse.Namespace) -> list[str]:
     """What is wrong with init's own arguments, found before the box is contacted."""
     problems = []
-    address = None
-    if args.address:
-        address = address_problem(args.address, "--port", "--user")
-        if address:
-            problems.append(f"--address: {address}")
-    elif not args.local:
+    address = address_problem(args.address, "--port", "--user") if args.address else None
+    if address:
+        problems.append(f"--address: {address}")
+    elif not args.address and not args.local:
         problems.append("give the box's address (--address HOST) or --local")
     if not 0 < args.port < 65536:
         problems.append(f"--port: {args.port} is not a TCP port (1-65535)")
@@ -270,15 +252,10 @@ def _init_problems(args: argparse.Namespace) -> list[str]:
     for flag, value in (("--key", args.key), ("--known-hosts", args.known_hosts)):
         if value and not Path(os.path.expanduser(value)).is_file():
             problems.append(f"{flag}: there is no file {printable(value)}")
-    if (
-        args.known_hosts
-        and args.address
-        and not address
-        and 0 < args.port < 65536
-        and Path(os.path.expanduser(args.known_hosts)).is_file()
-    ):
+    known_hosts = os.path.expanduser(args.known_hosts or "")
+    if args.address and not address and 0 < args.port < 65536 and os.path.isfile(known_hosts):
         # ssh checks the key strictly: a file without it would fail only after the connection.
-        known = _host_key_known(os.path.expanduser(args.known_hosts), args.address, args.port)
+        known = _host_key_known(known_hosts, args.address, args.port)
         if known is False:
             name = args.address if args.port == 22 else f"[{args.address}]:{args.port}"
             problems.append(
@@ -287,10 +264,8 @@ def _init_problems(args: argparse.Namespace) -> list[str]:
                 f"a new box: `ssh-keyscan -p {args.port} {args.address}`, and compare the "
                 "fingerprint with the box's console)"
             )
-    if args.model:
-        model = url_problem(args.model, ("http", "https"), "download over https")
-        if model:
-            problems.append(f"--model: {model}")
+    if args.model and (model := url_problem(args.model, ("http", "https"), "download over https")):
+        problems.append(f"--model: {model}")
     if args.model and not args.sha256:
         problems.append("--model needs --sha256: the model file's sha256 (sha256sum FILE)")
     if args.sha256 and not SHA256_HEX.fullmatch(args.sha256):
@@ -318,9 +293,7 @@ def _init_problems(args: argparse.Namespace) -> list[str]:
 def _init(args: argparse.Namespace) -> int:
     problems = _init_problems(args)
     if problems:
-        for problem in problems:
-            print(f"llamarig init: {problem}", file=sys.stderr)
-        return 2
+        raise _Refusal("\n".join(f"llamarig init: {problem}" for problem in problems))
     if args.local:
         ssh: dict = {"local": True}
     else:
@@ -335,25 +308,22 @@ def _init(args: argparse.Namespace) -> int:
     except subprocess.TimeoutExpired:
         failure = f"no answer within {INIT_REACH_TIMEOUT_S} s"
     if failure:
-        print(
+        raise _Refusal(
             f"llamarig init: cannot run a command on {args.address or 'this machine'} "
             f"({printable(failure)}); nothing was written",
-            file=sys.stderr,
+            status=1,
         )
-        return 1
     # What the box prints is untrusted: a value the entry cannot hold is refused by name.
     try:
         found = probe(shell_reader({"ssh": ssh}))
     except ProbeError as error:
-        print(f"llamarig init: {box}: {error}; nothing was written", file=sys.stderr)
-        return 2
+        raise _Refusal(f"llamarig init: {box}: {error}; nothing was written") from error
     except subprocess.TimeoutExpired as error:
-        print(
+        raise _Refusal(
             f"llamarig init: {box}: no answer within {error.timeout:g} s while it was probed; "
             "nothing was written",
-            file=sys.stderr,
-        )
-        return 1
+            status=1,
+        ) from error
     settings = host_entry(ssh, found)
     if args.model:
         settings["model"] = {"url": args.model, "sha256": args.sha256}
@@ -372,10 +342,8 @@ def _init(args: argparse.Namespace) -> int:
         try:
             host = load_inventory(written).hosts[args.name]
         except ConfigError as error:
-            print("llamarig init: the entry is not valid:", file=sys.stderr)
-            for problem in error.problems:
-                print(f"  {problem}", file=sys.stderr)
-            return 2
+            entry = "\n".join(f"  {problem}" for problem in error.problems)
+            raise _Refusal(f"llamarig init: the entry is not valid:\n{entry}") from error
         if args.model:
             plan, _ = plan_for(args.name, host.data, None, gpus=False)
             server = plan.resolved["server"]
@@ -395,12 +363,9 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    hosts = _chosen_hosts(args)
-    if hosts is None:
-        return 2
     inventory = inventory_path()
     status = 0
-    for host_config in hosts.values():
+    for host_config in _chosen_hosts(args).values():
         try:
             tune_host(host_config, inventory, args.minutes, args.force, goal=args.goal)
         except TuneError as error:
@@ -414,40 +379,30 @@ MAX_TUNE_MINUTES = 24 * 60
 MAX_COMPLETION_TOKENS = 4096
 # The prompt travels in one ssh command line (curl -d), which Linux bounds at 128 KiB per word.
 MAX_PROMPT_CHARACTERS = 16384
-
-
 MAX_STATUS_SECONDS = 3600
 
 
-def _above_zero(text: str, maximum: float) -> float | None:
-    """``text`` as a number above 0 and at most ``maximum``; None when it is not one."""
+def _above_zero(text: str, maximum: float, refusal: str) -> float:
+    """``text`` as a number above 0 and at most ``maximum``; else "'text' is not ``refusal``"."""
     try:
         value = float(text)
     except ValueError:
-        return None
-    return value if 0 < value <= maximum else None  # nan fails both comparisons
+        value = 0  # no number: refused below, as 0 and nan are (nan fails both comparisons)
+    if not 0 < value <= maximum:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {refusal}")
+    return value
 
 
 def _seconds(text: str) -> float:
     """--window, --watch: seconds above 0, at most an hour."""
-    value = _above_zero(text, MAX_STATUS_SECONDS)
-    if value is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of seconds above 0 and at most {MAX_STATUS_SECONDS} "
-            "(e.g. 10)"
-        )
-    return value
+    bound = f"a number of seconds above 0 and at most {MAX_STATUS_SECONDS} (e.g. 10)"
+    return _above_zero(text, MAX_STATUS_SECONDS, bound)
 
 
 def _minutes(text: str) -> float:
     """--minutes: a finite number of minutes above 0, at most a day."""
-    value = _above_zero(text, MAX_TUNE_MINUTES)
-    if value is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a time bound: minutes above 0, at most {MAX_TUNE_MINUTES} "
-            "(e.g. --minutes 10)"
-        )
-    return value
+    bound = f"a time bound: minutes above 0, at most {MAX_TUNE_MINUTES} (e.g. --minutes 10)"
+    return _above_zero(text, MAX_TUNE_MINUTES, bound)
 
 
 def _tokens(text: str) -> int:
@@ -462,18 +417,10 @@ def _tokens(text: str) -> int:
 def _gguf_file(text: str) -> str:
     """plan --model: an existing regular file (a FIFO or a device would be read forever)."""
     path = Path(os.path.expanduser(text))
-    if not path.is_file():
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a GGUF file on this machine"
-            + (
-                " (a directory)"
-                if path.is_dir()
-                else " (no such file)"
-                if not path.exists()
-                else ""
-            )
-        )
-    return str(path)
+    if path.is_file():
+        return str(path)
+    why = " (a directory)" if path.is_dir() else "" if path.exists() else " (no such file)"
+    raise argparse.ArgumentTypeError(f"{text!r} is not a GGUF file on this machine{why}")
 
 
 def _prompt(text: str) -> str:
@@ -502,122 +449,139 @@ def _model_name(text: str) -> str:
     return text
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+def _verb_parser(commands: argparse._SubParsersAction, name: str, summary: str):
+    """A verb that works on the inventory's hosts, or on the one `--host` names."""
+    parser = commands.add_parser(name, help=summary)
+    parser.add_argument("--host", type=_host_name, help="only this host")
+    return parser
 
-    plan_parser = commands.add_parser(
+
+def _plan_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = _verb_parser(
+        commands,
         "plan",
-        help=f"plan each host of RIG_INVENTORY (now {inventory_path()}) without changing "
+        summary=f"plan each host of RIG_INVENTORY (now {inventory_path()}) without changing "
         "anything: GPUs, architectures, version checks, per-GPU memory, cmake and llama-server "
         f"arguments; exit 1 when a plan does not fit, {PROVISIONAL_STATUS} when it is "
         "provisional",
     )
-    plan_parser.add_argument("--host", type=_host_name, help="only this host")
-    plan_parser.add_argument("--model", type=_gguf_file, help="plan against this local GGUF file")
-    plan_parser.add_argument(
-        "--probe", action="store_true", help="read the GPUs from the host over SSH"
-    )
-    plan_parser.add_argument("--json", action="store_true", help="print one JSON object")
-    plan_parser.add_argument(
+    parser.add_argument("--model", type=_gguf_file, help="plan against this local GGUF file")
+    parser.add_argument("--probe", action="store_true", help="read the GPUs from the host over SSH")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
         "--update-models",
         action="store_true",
         help="resolve Hugging Face references again and rewrite their entries in "
         "models.lock.yml (else the recorded commits are used)",
     )
-    plan_parser.add_argument("--unit", action="store_true", help="also print unit and env file")
-    plan_parser.add_argument(
+    parser.add_argument("--unit", action="store_true", help="also print unit and env file")
+    parser.add_argument(
         "--allow-provisional",
         action="store_true",
         help=f"exit 0, not {PROVISIONAL_STATUS}, when a plan is provisional (made without the "
         "model's GGUF header: no models.lock.yml record and no readable file)",
     )
+    return parser
 
-    lock_parser = commands.add_parser(
+
+def _lock_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = _verb_parser(
+        commands,
         "lock",
-        help="record in models.lock.yml (beside RIG_INVENTORY) the GGUF header of each model "
+        summary="record in models.lock.yml (beside RIG_INVENTORY) the GGUF header of each model "
         "file, read from its URL or the Hub (or, with --probe, from the host), so that a plan "
         "made where the model cannot be read is the deploy's",
     )
-    lock_parser.add_argument("--host", type=_host_name, help="only this host")
-    lock_parser.add_argument(
+    parser.add_argument(
         "--probe", action="store_true", help="read a model file from the host over SSH"
     )
-    lock_parser.add_argument(
+    parser.add_argument(
         "--update-models",
         action="store_true",
         help="resolve Hugging Face references again before reading the headers",
     )
-    lock_parser.set_defaults(model=None)  # the model's own files, never a local copy
+    parser.set_defaults(model=None)  # the model's own files, never a local copy
+    return parser
 
-    complete_parser = commands.add_parser(
+
+def _complete_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
         "complete", help="send a completion to each host's server (over SSH) and print it"
     )
-    complete_parser.add_argument("--host", type=_host_name, help="only this host")
-    complete_parser.add_argument("--prompt", type=_prompt, default="The llama is an animal that")
-    complete_parser.add_argument("--tokens", type=_tokens, default=16)
-    complete_parser.add_argument(
+    parser.add_argument("--host", type=_host_name, help="only this host")
+    parser.add_argument("--prompt", type=_prompt, default="The llama is an animal that")
+    parser.add_argument("--tokens", type=_tokens, default=16)
+    parser.add_argument(
         "--model",
         type=_model_name,
         help="on a rig of several models (`models:`), the one to ask (default: the first)",
     )
-    complete_parser.add_argument(
+    parser.add_argument(
         "--chat",
         action="store_true",
         help="ask the prompt as a user's message through the model's chat template "
         "(/v1/chat/completions)",
     )
+    return parser
 
-    verify_parser = commands.add_parser(
+
+def _verify_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = _verb_parser(
+        commands,
         "verify",
-        help="check each host against its rig data with the testinfra suite in llamarig/checks "
+        summary="check each host against its rig data with the testinfra suite in llamarig/checks "
         "(over ssh:// with strict host keys); exit non-zero when a check fails",
     )
-    verify_parser.add_argument("--host", type=_host_name, help="only this host")
-    verify_parser.add_argument(
+    parser.add_argument(
         "--rehash",
         action="store_true",
         help="hash every model file, even one that a checksum record says is unchanged since "
         "the deploy hashed it",
     )
-    verify_parser.add_argument(
+    parser.add_argument(
         "pytest_args", nargs="*", help="more pytest arguments (after --), e.g. -k service"
     )
+    return parser
 
-    init_parser = commands.add_parser(
+
+def _init_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
         "init",
         help="probe a box over SSH (nvidia-smi, else PCI ids) and write its inventory entry: "
         "the GPUs in bus order with bus ids, suggested driver and CUDA sources",
     )
-    init_parser.add_argument("name", type=_host_name, help="the host's name in the inventory")
-    init_parser.add_argument("--address", help="the box's address (ssh.host)")
-    init_parser.add_argument("--user", default="root")
-    init_parser.add_argument("--port", type=int, default=22)
-    init_parser.add_argument("--key", help="ssh private key file")
-    init_parser.add_argument("--known-hosts", help="known_hosts file holding the box's key")
-    init_parser.add_argument("--local", action="store_true", help="this machine, no ssh")
-    init_parser.add_argument("--model", help="the model's URL (with --sha256): plans the split")
-    init_parser.add_argument("--sha256", help="the model's sha256")
-    init_parser.add_argument("--output", help="write the inventory here (default stdout)")
-    init_parser.add_argument("--force", action="store_true", help="replace --output")
+    parser.add_argument("name", type=_host_name, help="the host's name in the inventory")
+    parser.add_argument("--address", help="the box's address (ssh.host)")
+    parser.add_argument("--user", default="root")
+    parser.add_argument("--port", type=int, default=22)
+    parser.add_argument("--key", help="ssh private key file")
+    parser.add_argument("--known-hosts", help="known_hosts file holding the box's key")
+    parser.add_argument("--local", action="store_true", help="this machine, no ssh")
+    parser.add_argument("--model", help="the model's URL (with --sha256): plans the split")
+    parser.add_argument("--sha256", help="the model's sha256")
+    parser.add_argument("--output", help="write the inventory here (default stdout)")
+    parser.add_argument("--force", action="store_true", help="replace --output")
+    return parser
 
-    tune_parser = commands.add_parser(
+
+def _tune_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = _verb_parser(
+        commands,
         "tune",
-        help="measure the configurations that fit on each host with its deployed llama-bench "
+        summary="measure the configurations that fit on each host with its deployed llama-bench "
         "(split mode and ratio, micro-batch, threads) and write the fastest to "
         "inventory/tuned/HOST.yml, which the next deploy serves; stops the service meanwhile",
     )
-    tune_parser.add_argument("--host", type=_host_name, help="only this host")
-    tune_parser.add_argument(
+    parser.add_argument(
         "--minutes",
         type=_minutes,
         default=10,
         help="time bound of the sweep (default 10); a later run resumes it",
     )
-    tune_parser.add_argument(
+    parser.add_argument(
         "--force", action="store_true", help="stop the service even while it serves a request"
     )
-    tune_parser.add_argument(
+    parser.add_argument(
         "--for",
         dest="goal",
         choices=("decode", "throughput"),
@@ -627,66 +591,85 @@ def main(argv: list[str] | None = None) -> int:
         "llama-server (parallel, backend sampling, unified KV cache), the most tokens/s whose "
         "p95 gap between tokens stays under tune.max_p95_ms",
     )
+    return parser
 
-    status_parser = commands.add_parser(
+
+def _status_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = _verb_parser(
+        commands,
         "status",
-        help="what each host serves now, over SSH: unit and uptime, build, model, slots busy, "
+        summary="what each host serves now, over SSH: unit and uptime, build, model, slots busy, "
         "tokens/s over a window, GPU memory against the plan, the last deploy; exit 1 when a "
         "host does not answer or its service is not active",
     )
-    status_parser.add_argument("--host", type=_host_name, help="only this host")
-    status_parser.add_argument("--json", action="store_true", help="print a JSON list")
-    status_parser.add_argument(
+    parser.add_argument("--json", action="store_true", help="print a JSON list")
+    parser.add_argument(
         "--window",
         type=_seconds,
         default=status.DEFAULT_WINDOW_S,
         help=f"seconds over which tokens/s is measured (default {status.DEFAULT_WINDOW_S})",
     )
-    status_parser.add_argument(
+    parser.add_argument(
         "--watch",
         type=_seconds,
         metavar="SECONDS",
         help="ask again and again, each time over a window of SECONDS, until interrupted",
     )
+    return parser
 
-    run_parser = commands.add_parser(
+
+def _run_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
         "run",
         help="start a host's llama-server in the foreground with the command line the deploy "
         "planned (its launcher): for hosts without systemd (server.supervisor: none) and for "
         "debugging; over SSH for remote hosts",
     )
-    run_parser.add_argument(
+    parser.add_argument(
         "--host", type=_host_name, help="the host (required when the inventory has several)"
     )
-    run_parser.add_argument(
+    parser.add_argument(
         "server_args", nargs="*", help="more llama-server arguments (after --), e.g. -lv 4"
     )
+    return parser
 
-    commands.add_parser(
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line: each verb's parser, whose ``handler`` default is the verb's function."""
+    parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    for add_parser, handler in (
+        (_plan_parser, _plan),
+        (_lock_parser, _lock),
+        (_complete_parser, _complete),
+        (_verify_parser, _verify),
+        (_init_parser, _init),
+        (_tune_parser, _tune),
+        (_status_parser, _status),
+        (_run_parser, _run),
+    ):
+        add_parser(commands).set_defaults(handler=handler)
+    commands.add_parser(  # listed only: main hands its arguments to llamarig_sandbox
         "sandbox",
         help="the local sandbox rig: sandbox up|down|status|prepare (see `llamarig sandbox -h`)",
         add_help=False,
     )
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["sandbox"]:
         # The test rig is a package of its own (llamarig_sandbox): imported only when asked for.
         from llamarig_sandbox import sandbox
 
         return sandbox.main(argv[1:], prog="llamarig sandbox")
-    args = parser.parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
-        commands_by_name = {
-            "plan": _plan,
-            "lock": _lock,
-            "complete": _complete,
-            "verify": _verify,
-            "run": _run,
-            "tune": _tune,
-            "init": _init,
-            "status": _status,
-        }
-        return commands_by_name[args.command](args)
+        return args.handler(args)
+    except _Refusal as refusal:
+        print(refusal, file=sys.stderr)
+        return refusal.status
     except ConfigError as error:
         print("llamarig: the rig configuration is not valid:", file=sys.stderr)
         for problem in error.problems:

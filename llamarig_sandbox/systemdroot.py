@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llamarig.config.ssh import SshTarget
-from llamarig_sandbox.sandbox import hosts_file, known_hosts_line, sshd_dropin
+from llamarig_sandbox.roots import hosts_file
+from llamarig_sandbox.sshaccess import known_hosts_line, sshd_dropin
 
 BOOT_SCRIPT = Path(__file__).with_name("systemd-root.sh")
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

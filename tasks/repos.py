@@ -4,6 +4,7 @@ distribution's non-free components, then one apt update when needed."""
 from io import StringIO
 
 from pyinfra import api, host
+from pyinfra.api.operation import OperationMeta
 from pyinfra.facts.server import LinuxDistribution
 from pyinfra.operations import server
 from pyinfra.operations.apt import APT_UPDATE_FILENAME
@@ -22,67 +23,80 @@ def deploy() -> None:
     distribution = known(LinuxDistribution)
     sources = [rig["driver"]["source"], rig["cuda"]["source"]]
     source_ops = []
-
     if "nvidia-repo" in sources:
-        repo_dir = nvidia_repo_dir(distribution)
-        keyring = rig["nvidia_repo"]["keyring_package"]
-        installed = known(PackageVersions, packages=[keyring]).get(keyring)
-        if installed != rig["nvidia_repo"]["keyring_version"]:
-            source_ops.append(
-                server.shell(
-                    name=f"Install {keyring} {rig['nvidia_repo']['keyring_version']}",
-                    commands=[render.keyring_install_command(rig, repo_dir)],
-                )
-            )
-        # The keyring package also drops a one-line .list; the deb822 file below replaces it.
-        source_ops.append(
-            operations.absent(
-                name="Remove the keyring package's duplicate source list",
-                path=f"/etc/apt/sources.list.d/cuda-{repo_dir}-x86_64.list",
-            )
-        )
-        source_ops.append(
-            operations.atomic_file(
-                name="NVIDIA CUDA repository (deb822, Signed-By its keyring)",
-                src=StringIO(
-                    render.render_file(
-                        "nvidia-cuda.sources.j2",
-                        url=rig["nvidia_repo"]["url"],
-                        distribution_dir=repo_dir,
-                        keyring=render.NVIDIA_KEYRING,
-                    )
-                ),
-                dest="/etc/apt/sources.list.d/llamarig-nvidia-cuda.sources",
-                mode="644",
-            )
-        )
-        source_ops.append(
-            operations.atomic_file(
-                name=f"Pin the NVIDIA driver to branch {rig['driver']['branch']}",
-                src=StringIO(
-                    render.render_file("apt-preferences.j2", branch=rig["driver"]["branch"])
-                ),
-                dest="/etc/apt/preferences.d/llamarig-nvidia-driver",
-                mode="644",
-            )
-        )
-
+        source_ops += _nvidia_repo(rig, distribution)
     if "distro" in sources and is_debian(distribution):
+        source_ops.append(_debian_nonfree(distribution))
+    _apt_lists(rig, sources, source_ops)
+
+
+def _nvidia_repo(rig: dict, distribution: dict) -> list[OperationMeta]:
+    """NVIDIA's CUDA repository: its keyring package, its deb822 source and the driver's
+    branch pinned."""
+    repo_dir = nvidia_repo_dir(distribution)
+    keyring = rig["nvidia_repo"]["keyring_package"]
+    installed = known(PackageVersions, packages=[keyring]).get(keyring)
+    source_ops = []
+    if installed != rig["nvidia_repo"]["keyring_version"]:
         source_ops.append(
-            operations.atomic_file(
-                name="Debian contrib and non-free components",
-                src=StringIO(
-                    render.render_file(
-                        "debian-nonfree.sources.j2",
-                        mirror="http://deb.debian.org/debian",
-                        suite=codename(distribution),
-                    )
-                ),
-                dest="/etc/apt/sources.list.d/llamarig-debian-nonfree.sources",
-                mode="644",
+            server.shell(
+                name=f"Install {keyring} {rig['nvidia_repo']['keyring_version']}",
+                commands=[render.keyring_install_command(rig, repo_dir)],
             )
         )
+    # The keyring package also drops a one-line .list; the deb822 file below replaces it.
+    source_ops.append(
+        operations.absent(
+            name="Remove the keyring package's duplicate source list",
+            path=f"/etc/apt/sources.list.d/cuda-{repo_dir}-x86_64.list",
+        )
+    )
+    source_ops.append(
+        operations.atomic_file(
+            name="NVIDIA CUDA repository (deb822, Signed-By its keyring)",
+            src=StringIO(
+                render.render_file(
+                    "nvidia-cuda.sources.j2",
+                    url=rig["nvidia_repo"]["url"],
+                    distribution_dir=repo_dir,
+                    keyring=render.NVIDIA_KEYRING,
+                )
+            ),
+            dest="/etc/apt/sources.list.d/llamarig-nvidia-cuda.sources",
+            mode="644",
+        )
+    )
+    source_ops.append(
+        operations.atomic_file(
+            name=f"Pin the NVIDIA driver to branch {rig['driver']['branch']}",
+            src=StringIO(render.render_file("apt-preferences.j2", branch=rig["driver"]["branch"])),
+            dest="/etc/apt/preferences.d/llamarig-nvidia-driver",
+            mode="644",
+        )
+    )
+    return source_ops
 
+
+def _debian_nonfree(distribution: dict) -> OperationMeta:
+    """Debian's contrib and non-free components, which the distribution's NVIDIA packages come
+    from."""
+    return operations.atomic_file(
+        name="Debian contrib and non-free components",
+        src=StringIO(
+            render.render_file(
+                "debian-nonfree.sources.j2",
+                mirror="http://deb.debian.org/debian",
+                suite=codename(distribution),
+            )
+        ),
+        dest="/etc/apt/sources.list.d/llamarig-debian-nonfree.sources",
+        mode="644",
+    )
+
+
+def _apt_lists(rig: dict, sources: list[str], source_ops: list[OperationMeta]) -> None:
+    """The apt lists updated when a source changed, else when older than an hour; nothing when
+    nothing is installed with apt."""
     apt_needed = (
         "nvidia-repo" in sources
         or "distro" in sources

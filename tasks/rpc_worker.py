@@ -43,15 +43,19 @@ def _worker(rig: dict, restart_on: list[OperationMeta]) -> list[OperationMeta]:
     inputs = [rpc_unit, *restart_on]
     head = rig["rpc"].get("head")  # none: a worker no head of this inventory uses
     head_bounds = head and HttpTimeouts(**head["http_timeouts"])
+    head_server = (
+        operations.Drain(
+            url=head["url"],
+            timeout=head["drain_timeout"],
+            bounds=head_bounds,
+            host=head["name"],
+            service=head["service"],
+        )
+        if head
+        else None
+    )
     started, restarted = stage.service_running(
-        rpc_service,
-        any_changed(*inputs),
-        "unit or build changed",
-        drain_url=head and head["url"],
-        drain_timeout=head["drain_timeout"] if head else 0,
-        drain_bounds=head_bounds,
-        drain_host=head and head["name"],
-        drain_service=head and head["service"],
+        rpc_service, any_changed(*inputs), "unit or build changed", head_server
     )
     operations.wait_for_port(
         name=f"Wait until {rpc_service} accepts connections",

@@ -4,7 +4,9 @@ until it serves, rolling back to the last version that served otherwise. A head 
 workers before any (re)start; an RPC worker's unit is the rpc_worker stage's."""
 
 import os
+from collections.abc import Callable
 from io import StringIO
+from typing import NamedTuple
 
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
@@ -100,9 +102,55 @@ def _launcher_only(rig: dict, inputs: list[OperationMeta]) -> list[OperationMeta
 
 
 def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMeta]:
-    server = rig["server"]
+    """The unit, its environment file and a router's presets; the unit running, restarted
+    when they or ``inputs`` changed (after the requests in flight), or a router's presets
+    reloaded; then the wait until it serves, else the rollback. Returns what (re)starts it."""
+    service = f"{rig['server']['service']}.service"
+    unit, env_file = _unit_files(rig, service)
+    names = tuple(view.name for view in model_views(rig))
+    presets = _write_presets(rig, names) if names else None
+    running, stale = _running(rig, service)
+    needs_reload = bool(running and running["need_daemon_reload"])
+    systemd.daemon_reload(
+        name="Reload systemd (the unit changed)",
+        _if=lambda: unit.did_change() or needs_reload,
+    )
+    inputs = [unit, env_file, *inputs]
+
+    def out_of_date() -> bool:
+        return any_changed(*inputs)() or bool(stale)
+
+    _before_the_start(rig, service, running, out_of_date)
+    started, restarted = stage.service_running(
+        service,
+        out_of_date,
+        "unit, environment, build or model changed, or out of date",
+        operations.Drain(
+            url=render.base_url(rig),
+            timeout=rig["server"]["drain_timeout"],
+            bounds=HttpTimeouts.of(rig),
+            service=service,
+            models=names,
+        ),
+    )
+    checked = [started, restarted]
+    if presets:
+        checked.append(_reload_presets(rig, service, names, presets, started, restarted))
+    _serve_or_roll_back(rig, service, names, checked)
+    _record_gpu_overheads(rig, started, restarted)
+    if not names:
+        # A rig that served several models before: once the one model serves (a rollback may
+        # still need the presets), they are gone.
+        presets_path = render.layout(rig)["presets"]
+        operations.absent(name=f"No model presets {presets_path}", path=presets_path)
+    # After the wait: a version that was rolled back leaves the launcher of the one that serves.
+    _put_launcher(rig)
+    return [*inputs, *checked]
+
+
+def _unit_files(rig: dict, service: str) -> tuple[OperationMeta, OperationMeta]:
+    """The service's environment file and unit written; returns the unit, then the file."""
     paths = render.layout(rig)
-    service = f"{server['service']}.service"
     env_file = operations.atomic_file(
         name="Service environment file",
         src=StringIO(render.render_env_file(rig)),
@@ -115,38 +163,56 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         dest=paths["unit"],
         mode="644",
     )
-    names = tuple(view.name for view in model_views(rig))
-    presets, presets_pending = None, False
-    if names:
-        # The router reads it as the unit's user: readable by all.
-        text = render.render_presets(rig)
-        presets = operations.atomic_file(
-            name=f"Model presets {paths['presets']} ({', '.join(names)})",
-            src=StringIO(text),
-            dest=paths["presets"],
-            mode="644",
-        )
-        # Not the presets that last served (a run cut short before the reload): reload them.
-        served = f"{paths['last_good']}/presets"
-        applied = known(FileState, path=served) or {}
-        presets_pending = applied.get("sha256") != render.sha256_text(text)
-        unloading = tuple(unloaded_by_reload(known(FileContents, path=served), text))
+    return unit, env_file
+
+
+class _Presets(NamedTuple):
+    """A router's presets file as written, whether the router has yet to read it (not the
+    presets that last served: a run cut short before the reload) and the models its reload
+    unloads."""
+
+    written: OperationMeta
+    pending: bool
+    unloading: tuple[str, ...]
+
+
+def _write_presets(rig: dict, names: tuple[str, ...]) -> _Presets:
+    """The presets file of a router serving ``names``, written."""
+    paths = render.layout(rig)
+    # The router reads it as the unit's user: readable by all.
+    text = render.render_presets(rig)
+    written = operations.atomic_file(
+        name=f"Model presets {paths['presets']} ({', '.join(names)})",
+        src=StringIO(text),
+        dest=paths["presets"],
+        mode="644",
+    )
+    served = f"{paths['last_good']}/presets"
+    applied = known(FileState, path=served) or {}
+    return _Presets(
+        written,
+        pending=applied.get("sha256") != render.sha256_text(text),
+        unloading=tuple(unloaded_by_reload(known(FileContents, path=served), text)),
+    )
+
+
+def _running(rig: dict, service: str) -> tuple[dict | None, list[str]]:
+    """The service's running process (None: not running) and how it differs from what it
+    should run, said when it does."""
     # A run cut short after writing the unit, environment, link or model but before the
     # restart leaves the old process running: compare it with what it should run.
-    running = known(RunningService, service=service, model=paths["model"])
+    running = known(RunningService, service=service, model=render.layout(rig)["model"])
     stale = render.running_differs(rig, running) if running else []
     if stale:
         host.noop(f"{service} (pid {running['pid']}) is out of date: {'; '.join(stale)}")
-    needs_reload = bool(running and running["need_daemon_reload"])
-    systemd.daemon_reload(
-        name="Reload systemd (the unit changed)",
-        _if=lambda: unit.did_change() or needs_reload,
-    )
-    inputs = [unit, env_file, *inputs]
+    return running, stale
 
-    def out_of_date() -> bool:
-        return any_changed(*inputs)() or bool(stale)
 
+def _before_the_start(
+    rig: dict, service: str, running: dict | None, out_of_date: Callable[[], bool]
+) -> None:
+    """What a (re)start needs first: a head's workers answering, and a service that is not
+    running cleared of a failed state."""
     if rig["role"] == "rpc-head":
         # A head (re)started without its workers cannot load the model: check them first.
         operations.check_rpc_workers(
@@ -161,36 +227,40 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
             name=f"Clear a failed state of {service} before starting it",
             commands=[operations.reset_failed_command(service)],
         )
-    bounds = HttpTimeouts.of(rig)
-    started, restarted = stage.service_running(
-        service,
-        out_of_date,
-        "unit, environment, build or model changed, or out of date",
-        drain_url=render.base_url(rig),
+
+
+def _reload_presets(
+    rig: dict,
+    service: str,
+    names: tuple[str, ...],
+    presets: _Presets,
+    started: OperationMeta,
+    restarted: OperationMeta,
+) -> OperationMeta:
+    """Only the presets changed: the router reads them again; the models whose options did
+    not change keep running, and so do the requests they serve."""
+    server = rig["server"]
+    return operations.reload_presets(
+        name=f"Reload the router's presets ({', '.join(names)}; unchanged models keep serving)",
+        base_url=render.base_url(rig),
+        service=service,
+        timeout=server["start_timeout"],
+        http_timeouts=HttpTimeouts.of(rig),
+        unloading=presets.unloading,
         drain_timeout=server["drain_timeout"],
-        drain_bounds=bounds,
-        drain_models=names,
+        _if=lambda: (
+            (presets.written.did_change() or presets.pending)
+            and not (started.did_change() or restarted.did_change())
+        ),
     )
-    checked = [started, restarted]
-    if presets:
-        # Only the presets changed: the router reads them again; the models whose options
-        # did not change keep running, and so do the requests they serve.
-        checked.append(
-            operations.reload_presets(
-                name=f"Reload the router's presets ({', '.join(names)}; unchanged models keep "
-                "serving)",
-                base_url=render.base_url(rig),
-                service=service,
-                timeout=server["start_timeout"],
-                http_timeouts=bounds,
-                unloading=unloading,
-                drain_timeout=server["drain_timeout"],
-                _if=lambda: (
-                    (presets.did_change() or presets_pending)
-                    and not (started.did_change() or restarted.did_change())
-                ),
-            )
-        )
+
+
+def _serve_or_roll_back(
+    rig: dict, service: str, names: tuple[str, ...], checked: list[OperationMeta]
+) -> None:
+    """The wait until the service serves, after any of ``checked`` changed it; else the
+    rollback."""
+    server, paths = rig["server"], render.layout(rig)
     operations.serve_or_roll_back(
         name=f"Wait until {service} serves (else roll back to the last version that served)",
         base_url=render.base_url(rig),
@@ -200,7 +270,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         env_file=paths["env_file"],
         current=paths["current"],
         last_good=paths["last_good"],
-        http_timeouts=bounds,
+        http_timeouts=HttpTimeouts.of(rig),
         answers=answers.answers(rig),
         max_slowdown=server["max_slowdown"],
         drain_timeout=server["drain_timeout"],
@@ -210,6 +280,10 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
         models=names,
         _if=any_changed(*checked),
     )
+
+
+def _record_gpu_overheads(rig: dict, started: OperationMeta, restarted: OperationMeta) -> None:
+    """After a (re)start, what the used GPUs hold beyond the plan's buffers."""
     plan = stage.plan()
     indices = plan.planned_gpu_indices
     if indices:
@@ -217,18 +291,11 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
             name="Record what the GPUs hold beyond the plan's buffers (once per build and mode)",
             directory=hostpaths.OVERHEADS_DIR,
             build=render.build_id(rig),
-            split_mode=server["split_mode"],
+            split_mode=rig["server"]["split_mode"],
             gpu_indices=indices,
             buffers_mib=[d.planned_mib - d.reserve_mib for d in plan.memory.devices],
             _if=any_changed(started, restarted),
         )
-    if not names:
-        # A rig that served several models before: once the one model serves (a rollback may
-        # still need the presets), they are gone.
-        operations.absent(name=f"No model presets {paths['presets']}", path=paths["presets"])
-    # After the wait: a version that was rolled back leaves the launcher of the one that serves.
-    _put_launcher(rig)
-    return [*inputs, *checked]
 
 
 def _probe_model(rig: dict) -> str | None:

@@ -11,7 +11,9 @@ import pytest
 
 from llamarig_sandbox import realmodel
 from llamarig_sandbox.fileserver import make_server
-from llamarig_sandbox.sandbox import DOWNLOADS_DIR, LLAMA_MIRROR, SandboxError, ensure_llama_mirror
+from llamarig_sandbox.layout import DOWNLOADS_DIR, LLAMA_MIRROR
+from llamarig_sandbox.processes import SandboxError
+from llamarig_sandbox.services import ensure_llama_mirror
 from tests.netguard import NetworkGuard
 
 PROJECT = Path(__file__).resolve().parent.parent
@@ -23,8 +25,9 @@ VENV_BIN = Path(sys.executable).parent
 # the same compiler (the first build fills ccache for the next). The lanes start in this order
 # too: xdist gives each worker one lane, then the next whenever the worker is down to its last
 # two tests, so each takes its next lane as it ends the last, whichever worker that is.
-# Replayed with sleeps of a cold and a warm run's durations (C11 and W17, docs/testing.md), the
-# router lane third instead of the NVIDIA repository's moved neither worker's end by over 1 s.
+# Replayed with sleeps of a cold and a warm run's durations (C11 and W17,
+# bench/runs/testing-history.md), the router lane third instead of the NVIDIA repository's moved
+# neither worker's end by over 1 s.
 SCENARIO_LANES = {
     "test_sandbox_answers": "sandbox-trixie",
     "test_sandbox_converge": "sandbox-trixie",

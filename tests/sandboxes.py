@@ -93,18 +93,18 @@ def start_again(info, service: str) -> None:
     (2026-12-05, systemd 257.13) a start right after verify failed "because of unavailable
     resources", which 40 stops and starts and 4 with verify between did not repeat; the cause
     is in the warning that the retry leaves, and a second failure fails the test with it."""
-    from llamarig_sandbox import sandbox
+    from llamarig_sandbox import sshaccess
 
-    first = sandbox.ssh(info, f"systemctl start {service}", timeout=300)
+    first = sshaccess.ssh(info, f"systemctl start {service}", timeout=300)
     if first.returncode == 0:
         return
-    why = sandbox.ssh(
+    why = sshaccess.ssh(
         info,
         f"systemctl show -p Result -p NRestarts {service}; "
         f"journalctl -u {service} -n 25 --no-pager -o short-monotonic",
         timeout=60,
     ).stdout
-    second = sandbox.ssh(
+    second = sshaccess.ssh(
         info, f"systemctl reset-failed {service}; systemctl start {service}", timeout=300
     )
     assert second.returncode == 0, f"{service} did not start again: {second.stderr}\n{why}"
@@ -180,9 +180,9 @@ def new_api_key(directory: Path) -> tuple[str, Path]:
 
 def in_sandbox(info, command: str) -> str:
     """Run a shell command in the sandbox over SSH; it must succeed; returns its stdout."""
-    from llamarig_sandbox import sandbox
+    from llamarig_sandbox import sshaccess
 
-    result = sandbox.ssh(info, command, timeout=300)
+    result = sshaccess.ssh(info, command, timeout=300)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 

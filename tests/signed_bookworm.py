@@ -70,7 +70,7 @@ echo "stand-in mokutil: $* not recorded" >&2; exit 1
 class SignedBookworm:
     """The shared rig: its sandbox, its inventory and what its first converge left."""
 
-    info: object  # llamarig_sandbox.sandbox.SandboxInfo
+    info: object  # llamarig_sandbox.sshaccess.SandboxInfo
     inventory: Path
     first_converge: subprocess.CompletedProcess  # `pyinfra --json`: results on stdout
     boot_before: str  # the boot id before the first converge
@@ -92,9 +92,9 @@ def boot_id(info) -> str:
 
 def sandbox_run(info, command: str) -> str:
     """Run a command that may fail; its stdout and stderr together."""
-    from llamarig_sandbox import sandbox as rig
+    from llamarig_sandbox import sshaccess
 
-    result = rig.ssh(info, command, timeout=300)
+    result = sshaccess.ssh(info, command, timeout=300)
     return result.stdout + result.stderr
 
 

@@ -1,6 +1,6 @@
 """Strings in the wrong shape are refused before any connection, each with the key path and the
-fix (llamarig/config/shapes.py): addresses, URLs, paths, package names and versions, file names, unit
-names, and invisible or look-alike characters. One case per class, in the pattern of
+fix (llamarig/config/shapes.py): addresses, URLs, paths, package names and versions, file names,
+unit names, and invisible or look-alike characters. One case per class, in the pattern of
 tests/test_bad_input.py (write an inventory, load it, find the exact key path and the words)."""
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The drain before a restart (operations.drain): /slots is asked on the host the server runs
 on, what it waits for is said on the host that restarts, and the bound cuts what is left."""
 
+from importlib import import_module
 from types import SimpleNamespace
 
 import pytest
@@ -31,19 +32,29 @@ class Host:
         self.said.append(message)
 
 
+def local_server(timeout: int) -> operations.Drain:
+    return operations.Drain(
+        url="http://127.0.0.1:8080", timeout=timeout, bounds=BOUNDS, service="llama-server.service"
+    )
+
+
 @pytest.fixture(autouse=True)
 def quick_polls(monkeypatch):
-    monkeypatch.setattr(operations.systemd, "DRAIN_POLL_S", 0.01)
+    # `operations.drain` is the function: the module is reached by its import path.
+    monkeypatch.setattr(import_module("llamarig.operations.drain"), "DRAIN_POLL_S", 0.01)
 
 
 def test_a_worker_restart_waits_for_the_head_requests_asked_on_the_head():
     worker, head = Host(), Host(busy=[2, 1, 0])
     operations.drain(
         worker,
-        "http://127.0.0.1:8086",
-        "llama-server.service on rpc-head",
-        60,
-        BOUNDS,
+        operations.Drain(
+            url="http://127.0.0.1:8086",
+            timeout=60,
+            bounds=BOUNDS,
+            host="rpc-head",
+            service="llama-server.service",
+        ),
         server_host=head,
         restarting="ggml-rpc-server.service",
     )
@@ -65,7 +76,7 @@ def test_a_worker_restart_waits_for_the_head_requests_asked_on_the_head():
 
 def test_the_bound_restarts_anyway_and_counts_what_it_cuts():
     server = Host(busy=[2])
-    operations.drain(server, "http://127.0.0.1:8080", "llama-server.service", 1, BOUNDS)
+    operations.drain(server, local_server(timeout=1))
     assert server.said[-1] == (
         "llamarig: 2 of 2 slots of llama-server.service still busy after 1 s "
         "(server.drain_timeout): restarting it anyway, cutting 2 request(s)"
@@ -76,9 +87,7 @@ def test_the_bound_restarts_anyway_and_counts_what_it_cuts():
 @pytest.mark.parametrize("busy", [[0], None])
 def test_nothing_to_wait_for(busy):
     server = Host(busy=busy or [2])
-    operations.drain(
-        server, "http://127.0.0.1:8080", "llama-server.service", 0 if not busy else 5, BOUNDS
-    )
+    operations.drain(server, local_server(timeout=0 if not busy else 5))
     assert server.said == []
     assert len(server.commands) == (1 if busy else 0)
 

@@ -4,15 +4,13 @@ from dataclasses import replace
 import pytest
 
 from llamarig.model.gguf import read_gguf_header_file
-from llamarig.planner.memory import (
-    MIB,
+from llamarig.planner.memory import MIB, Device, plan_memory
+from llamarig.planner.placement import (
     ON_HOST,
-    Device,
     compute_buffer_bytes,
     kv_cache_bytes,
     kv_cells,
     layer_devices,
-    plan_memory,
     split_units,
 )
 from tests.ggufmodels import (

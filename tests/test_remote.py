@@ -18,7 +18,8 @@ from llamarig.converge import stage
 from llamarig.facts.files import FileHead, FileIdentity
 from llamarig.facts.gpu import NvidiaPciDevices, NvidiaSmiGpus
 from llamarig.planner.gather import gather, run_on_host, shell_reader
-from llamarig.planner.plan import HostPlan, plan_host
+from llamarig.planner.host_plan import HostPlan
+from llamarig.planner.plan import plan_host
 from tests.ggufmodels import write_qwen35
 
 

@@ -23,8 +23,10 @@ from llamarig.facts.server import ServerProbe, slot_counts_command
 from llamarig.model.catalog import model_views, with_views
 from llamarig.model.gguf import read_gguf_header_file
 from llamarig.planner import render
-from llamarig.planner.plan import PlannedModel, loaded_at_once, plan_host
+from llamarig.planner.host_plan import PlannedModel
+from llamarig.planner.plan import plan_host
 from llamarig.planner.render import preset_sections_of, unloaded_by_reload
+from llamarig.planner.router_plan import loaded_at_once
 from tests.conftest import PROJECT, default_http_timeouts
 from tests.ggufmodels import Qwen35Shape, write_qwen35
 

@@ -540,7 +540,7 @@ def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
     """The planner's weights and KV bytes against the sizes the deployed llama-server logs at
     load (`-lv 4`, the CPU build), started by hand with the unit's arguments on another port."""
     from llamarig.model.gguf import read_gguf_header_file
-    from llamarig.planner.memory import kv_cache_bytes
+    from llamarig.planner.placement import kv_cache_bytes
 
     data = load_inventory(INVENTORY).hosts["sandbox"].data
     server = data["server"]
@@ -558,9 +558,9 @@ def test_planned_sizes_match_what_llama_server_allocates(sandbox_info):
     assert loads and kv_lines, f"llama-server did not log its buffer sizes:\n{log[-2000:]}"
     logged_weights = float(re.search(r"= *([0-9.]+) MiB", loads[-1]).group(1))
     logged_kv = float(re.search(r"size = *([0-9.]+) MiB", kv_lines[-1]).group(1))
-    from llamarig_sandbox import sandbox
+    from llamarig_sandbox import layout, services
 
-    header = read_gguf_header_file(sandbox.WWW_DIR / sandbox.MODEL_NAME)
+    header = read_gguf_header_file(layout.WWW_DIR / services.MODEL_NAME)
     planned_weights = header.total_tensor_bytes / 2**20
     planned_kv = (
         kv_cache_bytes(
@@ -710,10 +710,10 @@ def test_a_server_that_cannot_start_is_rolled_back(sandbox_info, tmp_path):
 
 
 def test_a_corrupt_model_is_rolled_back(sandbox_info, tmp_path):
-    from llamarig_sandbox import sandbox
+    from llamarig_sandbox import layout, sandbox, services, testmodel
 
-    good = sandbox.WWW_DIR / sandbox.MODEL_NAME
-    corrupt = sandbox.WWW_DIR / "corrupt-llama.gguf"
+    good = layout.WWW_DIR / services.MODEL_NAME
+    corrupt = layout.WWW_DIR / "corrupt-llama.gguf"
     # Its sha256 is right (the user published a broken file), but the data ends early.
     corrupt.write_bytes(good.read_bytes()[: 4 << 20])
     try:
@@ -721,7 +721,7 @@ def test_a_corrupt_model_is_rolled_back(sandbox_info, tmp_path):
             tmp_path,
             model={
                 "url": f"http://127.0.0.1:{sandbox.DEFAULT_HTTP_PORT}/{corrupt.name}",
-                "sha256": sandbox.sha256_file(corrupt),
+                "sha256": testmodel.sha256_file(corrupt),
             },
         )
         seconds = rolled_back(sandbox_info, inventory, "corrupt-llama.gguf")
@@ -821,14 +821,14 @@ class ThrottledFiles:
 
 
 def test_a_download_killed_midway_resumes(sandbox_info, tmp_path):
-    from llamarig_sandbox import sandbox
+    from llamarig_sandbox import layout, services, testmodel
 
-    files = ThrottledFiles(sandbox.WWW_DIR)
+    files = ThrottledFiles(layout.WWW_DIR)
     try:
         inventory = variant(
             tmp_path,
             model={
-                "url": f"http://127.0.0.1:{files.port}/{sandbox.MODEL_NAME}",
+                "url": f"http://127.0.0.1:{files.port}/{services.MODEL_NAME}",
                 "sha256": sandbox_info.model_sha256,
                 "filename": "resumed-llama.gguf",
             },
@@ -846,7 +846,7 @@ def test_a_download_killed_midway_resumes(sandbox_info, tmp_path):
         # The second request continued where the first stopped.
         assert len(files.ranges) == 2 and files.ranges[0] is None, files.ranges
         assert re.fullmatch(r"bytes=[1-9][0-9]*-", files.ranges[1]), files.ranges
-        assert sandbox.sha256_file(host_path(sandbox_info, model)) == sandbox_info.model_sha256
+        assert testmodel.sha256_file(host_path(sandbox_info, model)) == sandbox_info.model_sha256
         serving_pid_runs(sandbox_info, inventory)
     finally:
         files.close()
@@ -895,7 +895,7 @@ def test_the_model_is_hashed_once_and_a_changed_one_downloaded_again(sandbox_inf
     import time
 
     from llamarig.onhost import checksums
-    from llamarig_sandbox import sandbox
+    from llamarig_sandbox import testmodel
 
     converge()
     model = render.layout(load_inventory(INVENTORY).hosts["sandbox"].data)["model"]
@@ -935,7 +935,7 @@ def test_the_model_is_hashed_once_and_a_changed_one_downloaded_again(sandbox_inf
             before.st_size,
             before.st_mtime_ns,
         )
-        wrong = sandbox.sha256_file(path)
+        wrong = testmodel.sha256_file(path)
         result = deploy(INVENTORY, "--json")
         assert result.returncode == 0, result.stderr[-4000:]
         changed = changed_operations(json.loads(result.stdout)["results"])
@@ -949,7 +949,7 @@ def test_the_model_is_hashed_once_and_a_changed_one_downloaded_again(sandbox_inf
         assert f"{model} has sha256 {wrong}, expected {expected}: downloading it again" in (
             output
         ), result.stderr[-4000:]
-        assert sandbox.sha256_file(path) == expected
+        assert testmodel.sha256_file(path) == expected
         assert main_pid(sandbox_info) != pid
         assert complete()["tokens_predicted"] == 8
 

@@ -24,8 +24,8 @@ import pytest
 
 from llamarig.config import load_inventory
 from llamarig.planner import render
-from llamarig_sandbox.sandbox import MODEL_NAME as SERVED_MODEL
-from llamarig_sandbox.sandbox import WWW_DIR
+from llamarig_sandbox.layout import WWW_DIR
+from llamarig_sandbox.services import MODEL_NAME as SERVED_MODEL
 from tests import sandboxes
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 

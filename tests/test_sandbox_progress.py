@@ -54,14 +54,14 @@ def sandbox_info():
 @pytest.fixture
 def trickled_model():
     """The sandbox's model file served at 6 MiB/s on a free loopback port."""
-    from llamarig_sandbox import sandbox
+    from llamarig_sandbox import layout, services
     from llamarig_sandbox.fileserver import make_server
 
-    server = make_server(sandbox.WWW_DIR, 0)
+    server = make_server(layout.WWW_DIR, 0)
     server.RequestHandlerClass.chunk_bytes = 256 << 10
     server.RequestHandlerClass.chunk_pause = 0.04
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/{sandbox.MODEL_NAME}"
+    yield f"http://127.0.0.1:{server.server_address[1]}/{services.MODEL_NAME}"
     server.shutdown()
 
 

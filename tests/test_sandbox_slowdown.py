@@ -53,7 +53,7 @@ from typing import Any, NamedTuple
 import pytest
 
 from llamarig.serving.pace import ROUNDS
-from llamarig_sandbox.sandbox import signal_all
+from llamarig_sandbox.processes import signal_all
 from tests import sandboxes
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 

@@ -3,6 +3,7 @@
 import http.client
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -13,8 +14,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
 
-from llamarig import cli
-from llamarig_sandbox import sandbox
+from llamarig import CACHE_DIR, cli
+from llamarig_sandbox import containers, layout, processes, roots, sandbox, services, sshaccess
 from llamarig_sandbox.fileserver import UnsatisfiableRange, make_server, parse_range
 from llamarig_sandbox.testmodel import sha256_file, write_test_model
 
@@ -132,22 +133,22 @@ HOST_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample root@debootstrap\n"
 
 def test_known_hosts_line_pins_port_and_drops_comment():
     assert (
-        sandbox.known_hosts_line(HOST_KEY, 2222)
+        sshaccess.known_hosts_line(HOST_KEY, 2222)
         == "[127.0.0.1]:2222 ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIExample\n"
     )
 
 
 def test_known_hosts_line_on_port_22_has_no_brackets():
-    assert sandbox.known_hosts_line(HOST_KEY, 22).startswith("127.0.0.1 ssh-ed25519 ")
+    assert sshaccess.known_hosts_line(HOST_KEY, 22).startswith("127.0.0.1 ssh-ed25519 ")
 
 
 def test_known_hosts_line_rejects_garbage():
     with pytest.raises(ValueError):
-        sandbox.known_hosts_line("", 2222)
+        sshaccess.known_hosts_line("", 2222)
 
 
 def test_sshd_dropin():
-    assert sandbox.sshd_dropin(2223) == (
+    assert sshaccess.sshd_dropin(2223) == (
         "Port 2223\nListenAddress 127.0.0.1\nPermitRootLogin prohibit-password\n"
         "PasswordAuthentication no\n"
     )
@@ -155,15 +156,15 @@ def test_sshd_dropin():
 
 def test_a_base_root_gets_a_machine_id_of_its_own(tmp_path):
     """mmdebstrap leaves /etc/machine-id empty: a boot from it would be a first boot."""
-    roots = []
+    machine_ids = []
     for name in ("first", "second"):
         (tmp_path / name / "etc").mkdir(parents=True)
         (tmp_path / name / "etc/machine-id").write_text("")
-        sandbox._write_machine_id(tmp_path / name)
-        roots.append((tmp_path / name / "etc/machine-id").read_text())
-    assert all(len(text) == 33 and text.endswith("\n") for text in roots)
-    assert all(int(text, 16) for text in roots)
-    assert roots[0] != roots[1]
+        roots._write_machine_id(tmp_path / name)
+        machine_ids.append((tmp_path / name / "etc/machine-id").read_text())
+    assert all(len(text) == 33 and text.endswith("\n") for text in machine_ids)
+    assert all(int(text, 16) for text in machine_ids)
+    assert machine_ids[0] != machine_ids[1]
 
 
 def test_drop_dhcp_stanzas_keeps_loopback_and_static():
@@ -183,7 +184,7 @@ def test_drop_dhcp_stanzas_keeps_loopback_and_static():
         "iface eth2 inet static\n"
         "    address 10.0.0.2/24\n"
     )
-    assert sandbox.drop_dhcp_stanzas(interfaces) == (
+    assert roots.drop_dhcp_stanzas(interfaces) == (
         "source /etc/network/interfaces.d/*\n"
         "\n"
         "auto lo\n"
@@ -197,7 +198,9 @@ def test_drop_dhcp_stanzas_keeps_loopback_and_static():
 
 
 def test_nspawn_command_binds_caches():
-    command = sandbox.nspawn_command("sandbox-trixie", "trixie", sandbox.RUN_DIR / "sandbox-trixie")
+    command = containers.nspawn_command(
+        "sandbox-trixie", "trixie", layout.RUN_DIR / "sandbox-trixie"
+    )
     assert command[:5] == [
         "systemd-nspawn",
         "--register=no",
@@ -206,17 +209,17 @@ def test_nspawn_command_binds_caches():
         "-b",
     ]
     assert "--machine=sandbox-trixie" in command
-    archives = sandbox.CACHE_DIR / "sandbox" / "sandbox-trixie" / "apt-archives"
+    archives = CACHE_DIR / "sandbox" / "sandbox-trixie" / "apt-archives"
     assert f"--bind={archives}:/var/cache/apt/archives" in command
-    assert f"--bind={sandbox.CACHE_DIR}/ccache/trixie:/var/cache/llamarig/ccache" in command
+    assert f"--bind={CACHE_DIR}/ccache/trixie:/var/cache/llamarig/ccache" in command
 
 
 def test_urls():
-    assert sandbox.model_url(8765) == "http://127.0.0.1:8765/SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert sandbox.model_url(8765, sandbox.TEST_MODEL_NAME) == (
+    assert services.model_url(8765) == "http://127.0.0.1:8765/SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert services.model_url(8765, services.TEST_MODEL_NAME) == (
         "http://127.0.0.1:8765/tiny-llama.gguf"
     )
-    assert sandbox.git_url(9418) == "git://127.0.0.1:9418/llama.cpp.git"
+    assert services.git_url(9418) == "git://127.0.0.1:9418/llama.cpp.git"
 
 
 def test_main_refuses_non_root(monkeypatch, capsys):
@@ -237,14 +240,15 @@ def test_llamarig_sandbox_runs_the_sandbox_package_under_its_own_name(monkeypatc
 
 
 def test_ssh_command_pins_the_host_key_and_offers_only_the_sandbox_key():
-    info = sandbox.SandboxInfo(
+    info = sshaccess.SandboxInfo(
         name="sandbox-trixie", release="trixie", ssh_port=2223, key_path="/keys/id_ed25519",
         known_hosts_path="/state/known_hosts", root_dir="/run/sandbox-trixie",
-        model_url=sandbox.model_url(8765), model_sha256="0" * 64,
-        test_model_url=sandbox.model_url(8765, sandbox.TEST_MODEL_NAME), test_model_sha256="1" * 64,
-        git_url=sandbox.git_url(9418),
+        model_url=services.model_url(8765), model_sha256="0" * 64,
+        test_model_url=services.model_url(8765, services.TEST_MODEL_NAME),
+        test_model_sha256="1" * 64,
+        git_url=services.git_url(9418),
     )  # fmt: skip
-    command = sandbox._ssh_command(info)
+    command = sshaccess.ssh_command(info)
     options = {command[i + 1] for i, word in enumerate(command) if word == "-o"}
     assert {
         "StrictHostKeyChecking=yes", "BatchMode=yes", "UserKnownHostsFile=/state/known_hosts",
@@ -261,10 +265,10 @@ def test_main_rejects_bad_name(monkeypatch, capsys):
 
 
 def test_port_in_use_detects_a_listener():
-    with sandbox.socket.create_server(("127.0.0.1", 0)) as listener:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
-        assert sandbox._port_in_use(port)
-    assert not sandbox._port_in_use(port)
+        assert processes.port_in_use(port)
+    assert not processes.port_in_use(port)
 
 
 # --- supervisor ----------------------------------------------------------------------------------
@@ -274,12 +278,12 @@ def test_supervise_restarts_on_reboot_exit_code(tmp_path, capfd):
     marker = tmp_path / "booted-once"
     # Exits 133 (a reboot) the first time, then 0 (a halt).
     script = f"if [ -e {marker} ]; then exit 0; fi; touch {marker}; exit 133"
-    assert sandbox.supervise(["sh", "-c", script]) == 0
+    assert containers.supervise(["sh", "-c", script]) == 0
     assert capfd.readouterr().out.count("supervisor: starting") == 2
 
 
 def test_supervise_returns_other_exit_codes(capfd):
-    assert sandbox.supervise(["sh", "-c", "exit 7"]) == 7
+    assert containers.supervise(["sh", "-c", "exit 7"]) == 7
 
 
 def test_supervisor_passes_sigterm_on_and_stops():
@@ -313,14 +317,14 @@ def test_working_roots_go_in_memory_only_with_the_memory_and_not_told_otherwise(
     meminfo = tmp_path / "meminfo"
     meminfo.write_text(f"MemTotal:       {mem_total_kib} kB\nMemFree:        1000 kB\n")
     monkeypatch.setenv("LLAMARIG_SANDBOX_ROOTS_ON_DISK", on_disk)
-    assert sandbox._roots_in_memory(meminfo) is in_memory
+    assert roots.roots_in_memory(meminfo) is in_memory
 
 
 @pytest.mark.parametrize("value", ["yes", "true", " 1", "1; rm -rf /"])
 def test_a_roots_on_disk_setting_other_than_0_or_1_is_refused_naming_it(monkeypatch, value):
     monkeypatch.setenv("LLAMARIG_SANDBOX_ROOTS_ON_DISK", value)
-    with pytest.raises(sandbox.SandboxError, match="LLAMARIG_SANDBOX_ROOTS_ON_DISK.*set it to 1"):
-        sandbox._roots_in_memory()
+    with pytest.raises(processes.SandboxError, match="LLAMARIG_SANDBOX_ROOTS_ON_DISK.*set it to 1"):
+        roots.roots_in_memory()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
@@ -330,7 +334,7 @@ def test_removing_a_root_on_its_own_tmpfs_unmounts_it(tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(root)], check=True)
     (root / "etc").mkdir()
     (root / "etc/hostname").write_text("sandbox-x\n")
-    sandbox._remove_tree(root)
+    processes.remove_tree(root)
     assert not root.exists()
     assert str(root) not in Path("/proc/self/mounts").read_text()
 
@@ -340,8 +344,8 @@ def test_removing_a_root_on_its_own_tmpfs_unmounts_it(tmp_path):
 
 @pytest.fixture
 def sandbox_dirs(tmp_path, monkeypatch):
-    monkeypatch.setattr(sandbox, "SANDBOX_DIR", tmp_path / "sandbox")
-    monkeypatch.setattr(sandbox, "RUN_DIR", tmp_path / "run")
+    monkeypatch.setattr(layout, "SANDBOX_DIR", tmp_path / "sandbox")
+    monkeypatch.setattr(layout, "RUN_DIR", tmp_path / "run")
     (tmp_path / "run").mkdir()
     return tmp_path
 
@@ -350,7 +354,7 @@ def test_one_sandbox_lock_does_not_hold_up_another_or_the_services(sandbox_dirs)
     holding, release = threading.Event(), threading.Event()
 
     def hold_a():
-        with sandbox._sandbox_lock("sandbox-a"):
+        with layout.sandbox_lock("sandbox-a"):
             holding.set()
             release.wait(10)
 
@@ -361,8 +365,8 @@ def test_one_sandbox_lock_does_not_hold_up_another_or_the_services(sandbox_dirs)
         entered = []
 
         def take_others():
-            with sandbox._sandbox_lock("sandbox-b"), sandbox._services_lock():
-                with sandbox._release_lock("trixie"):
+            with layout.sandbox_lock("sandbox-b"), layout.services_lock():
+                with layout.release_lock("trixie"):
                     entered.append(True)
 
         other = threading.Thread(target=take_others)
@@ -377,18 +381,18 @@ def test_one_sandbox_lock_does_not_hold_up_another_or_the_services(sandbox_dirs)
 def test_a_sandbox_whose_up_started_its_supervisor_keeps_the_services(sandbox_dirs):
     # `up` writes the state, then the supervisor's pid file; until the supervisor execs, its
     # command line is still its parent's (this process here), so is_running cannot tell.
-    paths = sandbox._paths("sandbox-b")
+    paths = layout.sandbox_paths("sandbox-b")
     paths["state"].parent.mkdir(parents=True)
     paths["pid"].write_text(f"{os.getpid()}\n")
-    assert not sandbox.is_running("sandbox-b")
-    assert not sandbox._up_or_booting("sandbox-b"), "a pid file alone is no sandbox on its way up"
+    assert not containers.is_running("sandbox-b")
+    assert not containers.up_or_booting("sandbox-b"), "a pid file alone is no sandbox on its way up"
     paths["state"].write_text("{}")
-    assert sandbox._up_or_booting("sandbox-b")
+    assert containers.up_or_booting("sandbox-b")
     # Once that process is gone (a sandbox that died without `down`), the services may stop.
     gone = subprocess.Popen(["true"])
     gone.wait()
     paths["pid"].write_text(f"{gone.pid}\n")
-    assert not sandbox._up_or_booting("sandbox-b")
+    assert not containers.up_or_booting("sandbox-b")
 
 
 # --- test model ----------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from llamarig.onhost.httpbounds import HttpTimeouts
 from llamarig.planner import header as model_header
 from llamarig.planner import render
 from llamarig.planner.gather import plan_for
-from llamarig.serving import answers, pace, status, throughput
+from llamarig.serving import answers, draft_tune, pace, status, throughput
 
 TOKEN = "hf_tok3n5ecret"
 API_KEY = "sk-rig-key-91"
@@ -341,7 +341,7 @@ def api_key_commands(data: dict, monkeypatch) -> dict[str, str]:
     commands = {
         "status": status.probe_command(data, 1.0),
         "tune load": throughput.load_command(data, 2, 1),
-        "tune draft": throughput.draft_request_command(data, "Hello"),
+        "tune draft": draft_tune.draft_request_command(data, "Hello"),
         "deploy pace": pace.decode_command(base, bounds, names[0] if names else None),
         "verify probe": ServerProbe().command(base, bounds, names),
         "drain": slot_counts_command(base, bounds, names),

@@ -1,6 +1,6 @@
-"""driver.secure_boot: the pure decisions (llamarig/converge/secureboot.py), Ubuntu's signed prebuilt
-package names, the facts' parsers, and the driver stage's reading of the facts (a host whose
-facts are given; no Ubuntu archive is reachable here)."""
+"""driver.secure_boot: the pure decisions (llamarig/converge/secureboot.py), Ubuntu's signed
+prebuilt package names, the facts' parsers, and the driver stage's reading of the facts (a host
+whose facts are given; no Ubuntu archive is reachable here)."""
 
 from __future__ import annotations
 

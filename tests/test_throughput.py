@@ -175,7 +175,7 @@ def test_a_candidate_that_fails_to_start_is_skipped_with_why():
 
 
 def test_a_tuned_value_the_hosts_own_setting_replaces_is_named(write_inventory):
-    from llamarig.serving.tune import overridden
+    from llamarig.serving.tuned_files import overridden
 
     inventory = write_inventory(
         """

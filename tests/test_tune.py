@@ -17,30 +17,32 @@ from llamarig.config.inventory import tuned_path
 from llamarig.model.gguf import read_gguf_header_file
 from llamarig.planner.plan import plan_host, roofline_tps
 from llamarig.serving import tune as tune_module
-from llamarig.serving.throughput import (
+from llamarig.serving.draft_tune import (
     DRAFT_MAX_VALUES,
     DRAFT_PROMPTS,
     DraftMeasured,
     draft_server_data,
-    start_command,
+    draft_winner,
 )
-from llamarig.serving.tune import (
-    CUT_AFTER,
-    CUT_FLOOR_SECONDS,
-    RUN_SECONDS,
+from llamarig.serving.llama_bench import (
     Candidate,
     Measured,
     bench_command,
     bench_speeds,
     candidates,
-    draft_sweep,
-    draft_winner,
     planned_candidate,
+    with_candidate,
+)
+from llamarig.serving.throughput import start_command
+from llamarig.serving.tune import (
+    CUT_AFTER,
+    CUT_FLOOR_SECONDS,
+    RUN_SECONDS,
+    draft_sweep,
     sweep,
     winner,
-    with_candidate,
-    write_tuned,
 )
+from llamarig.serving.tuned_files import write_tuned
 from llamarig.tables.hardware import memory_bandwidth_gbs
 from tests.conftest import PROJECT
 from tests.ggufmodels import write_llama
@@ -418,7 +420,7 @@ def test_the_tuned_draft_max_is_merged_under_the_hosts_spec(tmp_path):
 def test_drafting_turned_off_for_load_keeps_the_decode_draft_length_and_comes_back(tmp_path):
     from llamarig.planner import render
     from llamarig.serving.throughput import LoadCandidate, LoadMeasured
-    from llamarig.serving.tune import overridden, write_tuned_throughput
+    from llamarig.serving.tuned_files import overridden, write_tuned_throughput
 
     inventory, tuned = _sandbox_copy(tmp_path)
     # The rig's types come from the group `all`, under the tuned file (a host's own would win).

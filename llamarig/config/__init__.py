@@ -11,10 +11,14 @@ One job per module, each importable alone (lower ones never import higher ones):
 - ``loader``: YAML read strictly, size and depth limits, the documented defaults
 - ``addresses``: loopback and wildcard addresses; ``derived``: settings derived from others
 - ``schema``: the JSON schema and its messages
-- ``rules``, ``contradictions``, ``versions``, ``expect``: the semantic rules of one host
+- ``rules`` (with ``server_rules``, ``model_rules``, ``numbers``), ``contradictions``,
+  ``versions``, ``expect``: the semantic rules of one host
+- ``shapes``: the shapes of strings that reach a command (addresses, URLs, paths)
 - ``validation``: one host checked whole; ``crosshost``: rules across the hosts of an inventory
 - ``inventory``: groups, the settings cascade and origins, ``load_inventory``
-- ``ssh_trust``: what this machine needs before pyinfra connects (keys, known_hosts)
+- ``ssh_trust``: what this machine needs before pyinfra connects (keys, known_hosts);
+  ``ssh``: the SSH settings rendered for each client
+- ``lock``: models.lock.yml, the resolved references and header records, checked as untrusted
 """
 
 from llamarig.config.addresses import WILDCARD_HOSTS, is_loopback

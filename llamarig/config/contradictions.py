@@ -1,4 +1,4 @@
-"""Settings that contradict each other, llama.cpp or the hardware (issue 12): each rule
+"""Settings that contradict each other, llama.cpp or the hardware: each rule
 refuses one kind of setting that cannot work as written."""
 
 from __future__ import annotations

@@ -188,6 +188,30 @@ def load_inventory(path: Path | None = None) -> Inventory:
     from all of its entries. Raises ConfigError listing every problem of every host at once.
     """
     path = path or inventory_path()
+    top_group, top_problems = _top_level(path)
+    load = _Load(path, top_problems)
+    _walk(load, "all", top_group, "all")
+    depths = _group_depths(load.groups)
+    defaults_name = str(DEFAULTS_PATH.relative_to(PROJECT_DIR))
+    hosts = {name: _host_config(load, name, depths, defaults_name) for name in load.host_settings}
+    problems = load.problems
+    if not hosts and not problems:
+        problems.append(f"{path}: no hosts defined (add `all: children: GROUP: hosts: NAME: ...`)")
+    for host_config in hosts.values():
+        problems.extend(validate_host(host_config))
+    if not problems:
+        problems.extend(shared_machine_problems(list(hosts.values())))
+        problems.extend(rpc_inventory_problems(hosts))
+        problems.extend(rpc_topology_problems(hosts))
+    if problems:
+        raise ConfigError(problems)
+    derive_rpc(hosts)
+    return Inventory(path, hosts, _group_members(load.groups, hosts))
+
+
+def _top_level(path: Path) -> tuple[Any, list[str]]:
+    """The `all:` group of the inventory file, and the problems of the file's top level;
+    raises ConfigError when there is no group to read."""
     document = load_yaml(path)
     problem = _document_problem(path, document)
     if problem is None:
@@ -207,182 +231,216 @@ def load_inventory(path: Path | None = None) -> Inventory:
             "`vars:`, `hosts:` and `children:`"
         )
         raise ConfigError(problems)
+    return document["all"], problems
 
-    # Ansible's two implicit groups: `all` holds every group, `ungrouped` the hosts of no other.
-    groups: dict[str, _Group] = {"all": _Group(), "ungrouped": _Group(parents=["all"])}
-    host_settings: dict[str, dict] = {}  # every entry of a host, merged in document order
-    listed_in: dict[str, list[str]] = {}  # host -> the groups it is listed directly under
 
-    def mapping(node: Any, key_path: str, what: str) -> dict:
-        """``node`` as a mapping (null is empty); anything else is a problem, and empty."""
-        if node is None:
-            return {}
-        if isinstance(node, dict):
-            return node
-        problems.append(f"{path}: {key_path}: is {json_type(node)}; it must be {what}")
+def _implicit_groups() -> dict[str, _Group]:
+    """Ansible's two implicit groups: `all` holds every group, `ungrouped` the hosts of no
+    other."""
+    return {"all": _Group(), "ungrouped": _Group(parents=["all"])}
+
+
+@dataclass
+class _Load:
+    """What one load of an inventory file gathers as it reads the file, with every problem
+    found (the top level's first)."""
+
+    path: Path
+    problems: list[str]
+    groups: dict[str, _Group] = field(default_factory=_implicit_groups)
+    # Every entry of a host, merged in document order.
+    host_settings: dict[str, dict] = field(default_factory=dict)
+    # Host -> the groups it is listed directly under.
+    listed_in: dict[str, list[str]] = field(default_factory=dict)
+    # Group -> its group_data/GROUP.yml and that file's name, loaded once (None: it has none).
+    group_files: dict[str, tuple[dict, str] | None] = field(default_factory=dict)
+
+
+def _mapping(load: _Load, node: Any, key_path: str, what: str) -> dict:
+    """``node`` as a mapping (null is empty); anything else is a problem, and empty."""
+    if node is None:
         return {}
+    if isinstance(node, dict):
+        return node
+    load.problems.append(f"{load.path}: {key_path}: is {json_type(node)}; it must be {what}")
+    return {}
 
-    def named(name: Any, key_path: str, what: str) -> bool:
-        if isinstance(name, str) and name:
-            return True
-        problems.append(
-            f"{path}: {key_path}: {what} {name!r} is {json_type(name)}; a {what} is a "
-            f'non-empty string (quote it: "{name}")'
-        )
-        return False
 
-    def ancestors(group_name: str) -> set[str]:
-        found: set[str] = set()
-        stack = list(groups[group_name].parents)
-        while stack:
-            parent = stack.pop()
-            if parent not in found:
-                found.add(parent)
-                stack.extend(groups[parent].parents)
-        return found
+def _named(load: _Load, name: Any, key_path: str, what: str) -> bool:
+    if isinstance(name, str) and name:
+        return True
+    load.problems.append(
+        f"{load.path}: {key_path}: {what} {name!r} is {json_type(name)}; a {what} is a "
+        f'non-empty string (quote it: "{name}")'
+    )
+    return False
 
-    def walk(group_name: str, node: Any, key_path: str) -> None:
-        """Gather one place a group is written, in document order as Ansible's YAML inventory
-        plugin reads it: a group written twice is one group, with the vars, hosts and
-        children of both."""
-        node = mapping(node, key_path, "a group: a mapping of `vars:`, `hosts:`, `children:`")
-        group = groups.setdefault(group_name, _Group())
-        for key, value in node.items():
-            if key == "vars":
-                group_vars = mapping(value, f"{key_path}.vars", "a mapping of settings")
-                for name, setting in group_vars.items():
-                    if name == GROUP_PRIORITY:
-                        group.priority = _group_priority(
-                            setting, f"{path}: {key_path}.vars.{name}", problems
-                        )
-                    else:
-                        group.vars = deep_merge(group.vars, {name: setting})
-            elif key == "hosts":
-                hosts_here = mapping(
-                    value,
-                    f"{key_path}.hosts",
-                    "a mapping of host names to their settings (`rig1:` or `rig1: {ssh: ...}`, "
-                    "not a list `- rig1`)",
-                )
-                for host_name, settings in hosts_here.items():
-                    if not named(host_name, f"{key_path}.hosts.{host_name}", "host name"):
-                        continue
-                    name_problem = host_name_problem(host_name)
-                    if name_problem:
-                        problems.append(f"{path}: {key_path}.hosts: {name_problem}")
-                        continue
-                    if settings is not None and not isinstance(settings, dict):
-                        problems.append(
-                            f"{path}: hosts.{host_name}: is {json_type(settings)}; a host's "
-                            "settings are a mapping such as `ssh: {host: ...}` (or nothing)"
-                        )
-                        continue
-                    # Ansible merges the settings of every entry of a host; the later wins.
-                    host_settings[host_name] = deep_merge(
-                        host_settings.get(host_name, {}), settings or {}
-                    )
-                    direct = listed_in.setdefault(host_name, [])
-                    if group_name not in direct:
-                        direct.append(group_name)
-            elif key == "children":
-                children = mapping(
-                    value,
-                    f"{key_path}.children",
-                    "a mapping of group names to groups (`rigs:` with `hosts:` under it, not a "
-                    "list)",
-                )
-                for child_name, child in children.items():
-                    child_path = f"{key_path}.children.{child_name}"
-                    if not named(child_name, child_path, "group name"):
-                        continue
-                    if child_name == "all":
-                        problems.append(
-                            f"{path}: {child_path}: `all` holds every group and cannot be the "
-                            "child of one; give this group another name"
-                        )
-                        continue
-                    walk(child_name, child, child_path)
-                    if child_name == group_name or child_name in ancestors(group_name):
-                        problems.append(
-                            f"{path}: {child_path}: group `{child_name}` contains `{group_name}` "
-                            "already, so it cannot also be its child (a loop); remove one of "
-                            "the two entries"
-                        )
-                    elif group_name not in groups[child_name].parents:
-                        groups[child_name].parents.append(group_name)
-            else:
-                hint = did_you_mean(key, GROUP_KEYS)
-                problems.append(
-                    f"{path}: {key_path}.{key}: unknown group key; {hint} "
-                    "(a group has `vars`, `hosts` and `children`; host settings go under "
-                    "`hosts: NAME:` or `vars:`)"
-                )
 
-    walk("all", document["all"], "all")
-    depths = _group_depths(groups)
-    defaults_name = str(DEFAULTS_PATH.relative_to(PROJECT_DIR))
-    file_defaults: dict[str, tuple[dict, str] | None] = {}
+def _ancestors(groups: dict[str, _Group], group_name: str) -> set[str]:
+    """Every group that holds ``group_name``, its parents' parents too."""
+    found: set[str] = set()
+    stack = list(groups[group_name].parents)
+    while stack:
+        parent = stack.pop()
+        if parent not in found:
+            found.add(parent)
+            stack.extend(groups[parent].parents)
+    return found
 
-    def group_file_defaults(group_name: str) -> tuple[dict, str] | None:
-        """group_data/GROUP.yml, the group's documented defaults (loaded once), and its name."""
-        if group_name not in file_defaults:
-            group_file = DEFAULTS_PATH.parent / f"{group_name}.yml"
-            found = None
-            if group_name != "all" and group_file.is_file():
-                file_vars = load_yaml(group_file)
-                if not isinstance(file_vars, dict):
-                    problems.append(
-                        f"{group_file}: is {json_type(file_vars)}; it must be a mapping"
-                    )
-                    file_vars = {}
-                found = (file_vars, str(group_file.relative_to(PROJECT_DIR)))
-            file_defaults[group_name] = found
-        return file_defaults[group_name]
 
-    hosts: dict[str, HostConfig] = {}
-    for host_name, settings in host_settings.items():
-        member_of = {"all", *listed_in[host_name]}
-        for group_name in listed_in[host_name]:
-            member_of |= ancestors(group_name)
-        if member_of - {"all", "ungrouped"}:
-            member_of.discard("ungrouped")  # as Ansible: a host in another group is not ungrouped
+def _walk(load: _Load, group_name: str, node: Any, key_path: str) -> None:
+    """Gather one place a group is written, in document order as Ansible's YAML inventory
+    plugin reads it: a group written twice is one group, with the vars, hosts and children
+    of both."""
+    node = _mapping(load, node, key_path, "a group: a mapping of `vars:`, `hosts:`, `children:`")
+    load.groups.setdefault(group_name, _Group())
+    for key, value in node.items():
+        if key == "vars":
+            _gather_vars(load, group_name, value, f"{key_path}.vars")
+        elif key == "hosts":
+            _gather_hosts(load, group_name, value, f"{key_path}.hosts")
+        elif key == "children":
+            _gather_children(load, group_name, value, f"{key_path}.children")
         else:
-            member_of.add("ungrouped")
-        order = sorted(member_of, key=lambda name: (depths[name], groups[name].priority, name))
-        data = defaults()
-        origins: dict[tuple, str] = {}
-        record_origins(data, defaults_name, (), origins)
-        for group_name in order:
-            # group_data/GROUP.yml sits right under the group's own inventory vars.
-            found = group_file_defaults(group_name)
-            if found:
-                data = deep_merge(data, found[0])
-                record_origins(found[0], found[1], (), origins)
-            data = deep_merge(data, groups[group_name].vars)
-            record_origins(groups[group_name].vars, str(path), (), origins)
-        tuned_file = tuned_path(path, host_name)
-        tuned = _tuned_settings(tuned_file, problems)
-        data = deep_merge(data, tuned)
-        record_origins(tuned, str(tuned_file), (), origins)
-        data = deep_merge(data, settings)
-        record_origins(settings, str(path), (), origins)
-        origins[()] = str(path)
-        hosts[host_name] = HostConfig(host_name, order, data, origins)
+            hint = did_you_mean(key, GROUP_KEYS)
+            load.problems.append(
+                f"{load.path}: {key_path}.{key}: unknown group key; {hint} "
+                "(a group has `vars`, `hosts` and `children`; host settings go under "
+                "`hosts: NAME:` or `vars:`)"
+            )
 
+
+def _gather_vars(load: _Load, group_name: str, node: Any, key_path: str) -> None:
+    group = load.groups[group_name]
+    for name, setting in _mapping(load, node, key_path, "a mapping of settings").items():
+        if name == GROUP_PRIORITY:
+            group.priority = _group_priority(
+                setting, f"{load.path}: {key_path}.{name}", load.problems
+            )
+        else:
+            group.vars = deep_merge(group.vars, {name: setting})
+
+
+def _gather_hosts(load: _Load, group_name: str, node: Any, key_path: str) -> None:
+    hosts_here = _mapping(
+        load,
+        node,
+        key_path,
+        "a mapping of host names to their settings (`rig1:` or `rig1: {ssh: ...}`, "
+        "not a list `- rig1`)",
+    )
+    for host_name, settings in hosts_here.items():
+        if not _named(load, host_name, f"{key_path}.{host_name}", "host name"):
+            continue
+        name_problem = host_name_problem(host_name)
+        if name_problem:
+            load.problems.append(f"{load.path}: {key_path}: {name_problem}")
+            continue
+        if settings is not None and not isinstance(settings, dict):
+            load.problems.append(
+                f"{load.path}: hosts.{host_name}: is {json_type(settings)}; a host's "
+                "settings are a mapping such as `ssh: {host: ...}` (or nothing)"
+            )
+            continue
+        # Ansible merges the settings of every entry of a host; the later wins.
+        load.host_settings[host_name] = deep_merge(
+            load.host_settings.get(host_name, {}), settings or {}
+        )
+        direct = load.listed_in.setdefault(host_name, [])
+        if group_name not in direct:
+            direct.append(group_name)
+
+
+def _gather_children(load: _Load, group_name: str, node: Any, key_path: str) -> None:
+    children = _mapping(
+        load,
+        node,
+        key_path,
+        "a mapping of group names to groups (`rigs:` with `hosts:` under it, not a list)",
+    )
+    for child_name, child in children.items():
+        child_path = f"{key_path}.{child_name}"
+        if not _named(load, child_name, child_path, "group name"):
+            continue
+        if child_name == "all":
+            load.problems.append(
+                f"{load.path}: {child_path}: `all` holds every group and cannot be the "
+                "child of one; give this group another name"
+            )
+            continue
+        _walk(load, child_name, child, child_path)
+        if child_name == group_name or child_name in _ancestors(load.groups, group_name):
+            load.problems.append(
+                f"{load.path}: {child_path}: group `{child_name}` contains `{group_name}` "
+                "already, so it cannot also be its child (a loop); remove one of the two entries"
+            )
+        elif group_name not in load.groups[child_name].parents:
+            load.groups[child_name].parents.append(group_name)
+
+
+def _cascade_order(load: _Load, host_name: str, depths: dict[str, int]) -> list[str]:
+    """The groups a host is in, in the order their settings merge (the later wins)."""
+    member_of = {"all", *load.listed_in[host_name]}
+    for group_name in load.listed_in[host_name]:
+        member_of |= _ancestors(load.groups, group_name)
+    if member_of - {"all", "ungrouped"}:
+        member_of.discard("ungrouped")  # as Ansible: a host in another group is not ungrouped
+    else:
+        member_of.add("ungrouped")
+    groups = load.groups
+    return sorted(member_of, key=lambda name: (depths[name], groups[name].priority, name))
+
+
+def _group_file_defaults(load: _Load, group_name: str) -> tuple[dict, str] | None:
+    """group_data/GROUP.yml, the group's documented defaults (loaded once), and its name."""
+    if group_name not in load.group_files:
+        group_file = DEFAULTS_PATH.parent / f"{group_name}.yml"
+        found = None
+        if group_name != "all" and group_file.is_file():
+            file_vars = load_yaml(group_file)
+            if not isinstance(file_vars, dict):
+                load.problems.append(
+                    f"{group_file}: is {json_type(file_vars)}; it must be a mapping"
+                )
+                file_vars = {}
+            found = (file_vars, str(group_file.relative_to(PROJECT_DIR)))
+        load.group_files[group_name] = found
+    return load.group_files[group_name]
+
+
+def _host_config(
+    load: _Load, host_name: str, depths: dict[str, int], defaults_name: str
+) -> HostConfig:
+    """One host's settings cascaded from the defaults through its groups and its tuned file to
+    its own, with the file that set each key."""
+    order = _cascade_order(load, host_name, depths)
+    data = defaults()
+    origins: dict[tuple, str] = {}
+    record_origins(data, defaults_name, (), origins)
+    for group_name in order:
+        # group_data/GROUP.yml sits right under the group's own inventory vars.
+        found = _group_file_defaults(load, group_name)
+        if found:
+            data = deep_merge(data, found[0])
+            record_origins(found[0], found[1], (), origins)
+        data = deep_merge(data, load.groups[group_name].vars)
+        record_origins(load.groups[group_name].vars, str(load.path), (), origins)
+    tuned_file = tuned_path(load.path, host_name)
+    tuned = _tuned_settings(tuned_file, load.problems)
+    data = deep_merge(data, tuned)
+    record_origins(tuned, str(tuned_file), (), origins)
+    settings = load.host_settings[host_name]
+    data = deep_merge(data, settings)
+    record_origins(settings, str(load.path), (), origins)
+    origins[()] = str(load.path)
+    return HostConfig(host_name, order, data, origins)
+
+
+def _group_members(groups: dict[str, _Group], hosts: dict[str, HostConfig]) -> dict[str, list[str]]:
+    """Each group's hosts (`all` aside), the groups in the order the file first names them."""
     members: dict[str, list[str]] = {}
     for host_config in hosts.values():
         for group_name in host_config.groups:
             if group_name != "all":
                 members.setdefault(group_name, []).append(host_config.name)
-    if not hosts and not problems:
-        problems.append(f"{path}: no hosts defined (add `all: children: GROUP: hosts: NAME: ...`)")
-    for host_config in hosts.values():
-        problems.extend(validate_host(host_config))
-    if not problems:
-        problems.extend(shared_machine_problems(list(hosts.values())))
-        problems.extend(rpc_inventory_problems(hosts))
-        problems.extend(rpc_topology_problems(hosts))
-    if problems:
-        raise ConfigError(problems)
-    derive_rpc(hosts)
-    return Inventory(path, hosts, {name: members[name] for name in groups if name in members})
+    return {name: members[name] for name in groups if name in members}

@@ -1,6 +1,7 @@
 """The rules of one host's settings that the schema cannot state: what must be given
 together, what contradicts the role, the backend or llama.cpp, and values JSON cannot hold.
-The hardware-facing contradictions live in `contradictions`, the version rules in `versions`."""
+The `server:` section's rules live in `server_rules`, the hardware-facing contradictions in
+`contradictions`, the version rules in `versions`."""
 
 from __future__ import annotations
 
@@ -9,209 +10,122 @@ import math
 import re
 from typing import Any
 
-from llamarig.config.addresses import WILDCARD_HOSTS, is_loopback
+from llamarig.config.addresses import WILDCARD_HOSTS
 from llamarig.config.contradictions import contradiction_problems
 from llamarig.config.expect import answer_problems
 from llamarig.config.model_rules import model_problems
 from llamarig.config.numbers import number_problems
-from llamarig.config.paths import expand_path, local_file_text
 from llamarig.config.problems import Problem, json_type
+from llamarig.config.server_rules import (
+    api_key_problems,
+    ctx_problems,
+    escape_hatch_problems,
+    kv_problems,
+    port_problems,
+    spec_problems,
+    split_mode_problems,
+    tensor_split_problems,
+)
 from llamarig.config.shapes import shape_problems
 from llamarig.config.versions import version_problems
-from llamarig.model.catalog import is_router, model_views
+from llamarig.model.catalog import ModelView, is_router, model_views
 from llamarig.model.files import model_files
-from llamarig.tables import llama_args
-from llamarig.tables.llama_args import CUDA_FA_KV_TYPES
-
-UNQUANTIZED_KV_TYPES = ("f32", "f16", "bf16")
 
 
 def semantic_problems(data: dict) -> list[Problem]:
     """Cross-field rules the schema cannot state, each a Problem (blaming the inventory when
-    the fix is to add a setting the defaults leave empty)."""
-    problems: list[Problem] = []
-    server, gpus = data["server"], data["gpus"]
-    backend = data["llama_cpp"]["backend"]
-
+    the fix is to add a setting the defaults leave empty), section by section."""
+    server, backend = data["server"], data["llama_cpp"]["backend"]
     ssh = data.get("ssh") or {}
+    return [
+        *_ssh_problems(ssh),
+        *port_problems(server, ssh),
+        *(_models_problems(data) if is_router(data) else model_problems(data)),
+        *split_mode_problems(server, backend),
+        *kv_problems(server, backend),
+        *tensor_split_problems(data),
+        *ctx_problems(server, backend),
+        *api_key_problems(server),
+        *spec_problems(server["spec"]),
+        *_cuda_backend_problems(data),
+        *_gpu_list_problems(data["gpus"]),
+        *_json_problems(server["chat_template_kwargs"], ("server", "chat_template_kwargs")),
+        *_rpc_role_problems(data),
+        *(Problem(*problem) for problem in shape_problems(data)),
+        # The escape hatches, and settings that contradict each other, llama.cpp or the
+        # hardware.
+        *escape_hatch_problems(data),
+        *contradiction_problems(data),
+        *number_problems(data),
+        *answer_problems(data),
+        *_router_key_problems(data),
+    ]
+
+
+def _ssh_problems(ssh: dict) -> list[Problem]:
+    """A host is reached over SSH at `ssh.host`, or is this machine (`ssh.local`): one of them."""
     if not ssh.get("local") and not ssh.get("host"):
-        problems.append(
+        return [
             Problem(
                 ("ssh", "host"),
                 "is missing: give the address sshd listens on (and usually `port`, `user`, "
                 "`key`, `known_hosts`), or set `ssh.local: true` to converge this machine",
                 in_inventory=True,
             )
-        )
+        ]
     if ssh.get("local") and ssh.get("host"):
-        problems.append(
+        return [
             Problem(
                 ("ssh", "local"),
                 "`local: true` converges this machine, yet `host` names another; "
                 "remove one of them",
             )
-        )
-    if not ssh.get("local") and ssh.get("host") and server["port"] == ssh.get("port", 22):
-        problems.append(
-            Problem(
-                ("server", "port"),
-                f"{server['port']} is also the host's SSH port (ssh.port); llama-server cannot "
-                "bind the port sshd listens on: pick another, such as 8080",
-            )
-        )
-
-    if server["port"] < 1024 and server.get("supervisor", "systemd") == "systemd":
-        problems.append(
-            Problem(
-                ("server", "port"),
-                f"{server['port']} is a privileged port, and the unit runs llama-server as an "
-                "unprivileged dynamic user without CAP_NET_BIND_SERVICE, so it cannot bind it; "
-                "use a port from 1024 up, such as 8080 (put a reverse proxy in front for 80/443)",
-            )
-        )
-
-    problems += _models_problems(data) if is_router(data) else model_problems(data)
-
-    split_mode = server["split_mode"]
-    if split_mode == "row":
-        problems.append(
-            Problem(
-                ("server", "split_mode"),
-                "`row` no longer works with CUDA at the "
-                "pinned llama.cpp (it fails at load with `does not support split "
-                "buffers`); use `tensor` (splits every layer, fastest on two cards) or "
-                "`layer` (pipeline)",
-            )
-        )
-    if split_mode == "tensor" and server["flash_attn"] == "off":
-        problems.append(
-            Problem(
-                ("server", "flash_attn"),
-                "`off` is refused by `split_mode: tensor`, "
-                "which forces flash attention; set `on` or `auto`",
-            )
-        )
-    if split_mode == "tensor" and backend == "cpu":
-        problems.append(
-            Problem(
-                ("server", "split_mode"),
-                "`tensor` needs GPU devices; a cpu build "
-                "exits at load (LLAMA_SPLIT_MODE_TENSOR needs >= 1 devices); use `none`",
-            )
-        )
-    problems += _kv_problems(server, split_mode, backend)
-    split = server["tensor_split"]
-    if isinstance(split, list):
-        if not any(split):
-            problems.append(
-                Problem(("server", "tensor_split"), "needs at least one non-zero share")
-            )
-        # A head's split also covers its workers' devices (checked across the inventory).
-        if gpus and len(split) != len(gpus) and data["role"] != "rpc-head":
-            problems.append(
-                Problem(
-                    ("server", "tensor_split"),
-                    f"has {len(split)} {'entry' if len(split) == 1 else 'entries'} for "
-                    f"{len(gpus)} declared GPUs; give one share per GPU, in `gpus` order",
-                )
-            )
-    if split is not None and backend == "cpu" and data["role"] != "rpc-head":
-        problems.append(
-            Problem(("server", "tensor_split"), "applies to GPUs only; set null for a cpu build")
-        )
-    if server["ctx"] == "auto" and backend == "cpu":
-        problems.append(
-            Problem(("server", "ctx"), "`auto` plans GPU memory; give a number for a cpu build")
-        )
-
-    if not is_loopback(server["host"]) and not server["api_key_file"]:
-        problems.append(
-            Problem(
-                ("server", "host"),
-                f"{server['host']} exposes the API to the network; set `server.api_key_file` to "
-                "a file holding an API key, or listen on 127.0.0.1",
-            )
-        )
-    if server["api_key_file"]:
-        key_file = expand_path(server["api_key_file"])
-        if not local_file_text(key_file).strip():
-            problems.append(
-                Problem(
-                    ("server", "api_key_file"),
-                    f"{key_file} does not exist or is empty; write the "
-                    "key to it (e.g. openssl rand -hex 32 > FILE; chmod 600 FILE)",
-                )
-            )
-
-    spec_types = server["spec"]["type"]
-    if "none" in spec_types and len(spec_types) > 1:
-        problems.append(
-            Problem(
-                ("server", "spec", "type"),
-                "`none` cannot be combined with other types; use [] for no speculative decoding",
-            )
-        )
-    if server["spec"]["draft_max"] is not None and not spec_types:
-        problems.append(
-            Problem(
-                ("server", "spec", "draft_max"),
-                "has no effect without `spec.type`; "
-                "set a type such as [ngram-mod] or remove draft_max",
-            )
-        )
-
-    if backend == "cuda":
-        if data["cuda"]["source"] == "none":
-            problems.append(
-                Problem(
-                    ("cuda", "source"),
-                    "is `none` but `llama_cpp.backend` is `cuda`; "
-                    "choose a toolkit source or build for the cpu",
-                )
-            )
-        if data["driver"]["source"] == "none":
-            problems.append(
-                Problem(
-                    ("driver", "source"),
-                    "is `none` but `llama_cpp.backend` is "
-                    "`cuda`; choose a driver source or build for the cpu",
-                )
-            )
-        if data["llama_cpp"]["cuda_architectures"] == "auto" and not gpus:
-            problems.append(
-                Problem(
-                    ("llama_cpp", "cuda_architectures"),
-                    "`auto` needs the `gpus` "
-                    'list; declare the GPUs or give a list such as "86-real;120a-real" '
-                    "(a build host's own GPUs are not the target's)",
-                )
-            )
-        problems += version_problems(data)
-    problems += _gpu_list_problems(gpus)
-    problems += _json_problems(server["chat_template_kwargs"], ("server", "chat_template_kwargs"))
-    problems += _rpc_role_problems(data)
-    problems += [Problem(*problem) for problem in shape_problems(data)]
-    # The escape hatches, and settings that contradict each other, llama.cpp or the hardware.
-    # The escape hatches are the router's on a rig of several models: a model's own sampling
-    # is guarded there too.
-    sampling = dict(server["sampling"])
-    for entry in data.get("models") or []:
-        sampling.update((entry.get("server") or {}).get("sampling") or {})
-    problems += [
-        Problem(*problem)
-        for problem in llama_args.extra_args_problems(server["extra_args"], sampling)
-    ]
-    problems += [Problem(*problem) for problem in llama_args.env_problems(server["env"], sampling)]
-    problems += contradiction_problems(data)
-    problems += number_problems(data)
-    problems += answer_problems(data)
-    if not is_router(data):
-        problems += [
-            Problem(("server", key), "has no effect without `models:` (several models); remove it")
-            for key in ROUTER_KEYS
-            if server[key] is not None
         ]
-    return problems
+    return []
+
+
+def _cuda_backend_problems(data: dict) -> list[Problem]:
+    """A cuda build needs a toolkit, a driver and the GPUs to build for, at versions that fit."""
+    if data["llama_cpp"]["backend"] != "cuda":
+        return []
+    problems: list[Problem] = []
+    if data["cuda"]["source"] == "none":
+        problems.append(
+            Problem(
+                ("cuda", "source"),
+                "is `none` but `llama_cpp.backend` is `cuda`; "
+                "choose a toolkit source or build for the cpu",
+            )
+        )
+    if data["driver"]["source"] == "none":
+        problems.append(
+            Problem(
+                ("driver", "source"),
+                "is `none` but `llama_cpp.backend` is "
+                "`cuda`; choose a driver source or build for the cpu",
+            )
+        )
+    if data["llama_cpp"]["cuda_architectures"] == "auto" and not data["gpus"]:
+        problems.append(
+            Problem(
+                ("llama_cpp", "cuda_architectures"),
+                "`auto` needs the `gpus` "
+                'list; declare the GPUs or give a list such as "86-real;120a-real" '
+                "(a build host's own GPUs are not the target's)",
+            )
+        )
+    return problems + version_problems(data)
+
+
+def _router_key_problems(data: dict) -> list[Problem]:
+    """The router's settings on a one-model rig."""
+    if is_router(data):
+        return []
+    return [
+        Problem(("server", key), "has no effect without `models:` (several models); remove it")
+        for key in ROUTER_KEYS
+        if data["server"][key] is not None
+    ]
 
 
 # What llama.cpp's preset INI cannot carry in a value: it ends a value at ; or # (a comment)
@@ -253,8 +167,7 @@ def _models_problems(data: dict) -> list[Problem]:
     """A router rig's own rules, then each entry of `models:` checked as a one-model rig is,
     its problems named by the entry's key path."""
     problems = []
-    model, server = data["model"], data["server"]
-    given = [key for key in ("url", "path", "hf") if model[key]]
+    given = [key for key in ("url", "path", "hf") if data["model"][key]]
     if given:
         problems.append(
             Problem(
@@ -272,6 +185,18 @@ def _models_problems(data: dict) -> list[Problem]:
                 "standalone rig (role: standalone)",
             )  # fmt: skip
         ]
+    return [
+        *problems,
+        *_router_rig_problems(data),
+        *_model_entries_problems(data),
+        *_startup_problems(data),
+    ]
+
+
+def _router_rig_problems(data: dict) -> list[Problem]:
+    """The rig-wide settings that serve one model, on a rig of several."""
+    server = data["server"]
+    problems = []
     if server["supervisor"] != "systemd":
         problems.append(
             Problem(
@@ -296,62 +221,99 @@ def _models_problems(data: dict) -> list[Problem]:
                 "asks, as models[N].expect.answers",
             )
         )
+    return problems
+
+
+def _model_entries_problems(data: dict) -> list[Problem]:
+    """Each entry of `models:` on its own, then (when it has no problem of its own) against the
+    entries before it: what the router's presets file and the host share between them."""
+    problems: list[Problem] = []
     names: dict[str, int] = {}
     files: dict[str, tuple[int, object]] = {}
     tokens: dict[str, int] = {}
     for view in model_views(data):
-        entry = data["models"][view.index]
-        if view.name in names:
-            problems.append(
-                Problem(
-                    ("models", view.index, "name"),
-                    f"{view.name!r} is also models[{names[view.name]}]'s name: clients pick a "
-                    "model by its name, so each must be unique",
-                )
-            )
-        names.setdefault(view.name, view.index)
-        # What the rig's own settings cause (named by the rig's own check) is not the entry's.
-        plain = {**entry, "server": {}}
-        (rig_view,) = model_views({**data, "models": [plain]})
-        rig_caused = {(p.path, p.message) for p in semantic_problems(rig_view.data)}
-        for problem in semantic_problems(view.data):
-            path = problem.path
-            if path[:1] == ("model",):
-                path = ("models", view.index, *path[1:])
-            elif path[:2] == ("expect", "answers"):
-                path = ("models", view.index, *path)
-            elif (path, problem.message) in rig_caused:
-                continue
-            elif path[:1] == ("server",) and path[1:2] and path[1] in (entry.get("server") or {}):
-                path = ("models", view.index, *path)
-            else:
-                path = ("models", view.index, "server")  # the entry's settings with the rig's
-            problems.append(Problem(path, problem.message, problem.in_inventory))
-        if any(p.path[:2] == ("models", view.index) for p in problems):
+        own = [*_name_problems(view, names), *_entry_problems(data, view)]
+        problems += own
+        if own:
             continue
         problems += _preset_problems(view.index, view.data)
-        token = view.data["model"]["token_file"]
-        if token and tokens and token not in tokens:
+        problems += _token_file_problems(view, tokens)
+        problems += _shared_file_problems(view, files)
+    return problems
+
+
+def _name_problems(view: ModelView, names: dict[str, int]) -> list[Problem]:
+    """Clients pick a model by its name: ``names`` holds each name seen, with its entry."""
+    if view.name not in names:
+        names[view.name] = view.index
+        return []
+    return [
+        Problem(
+            ("models", view.index, "name"),
+            f"{view.name!r} is also models[{names[view.name]}]'s name: clients pick a "
+            "model by its name, so each must be unique",
+        )
+    ]
+
+
+def _entry_problems(data: dict, view: ModelView) -> list[Problem]:
+    """The problems of one entry checked as a one-model rig, named by the entry's key path;
+    what the rig's own settings cause (named by the rig's own check) is not the entry's."""
+    entry = data["models"][view.index]
+    plain = {**entry, "server": {}}
+    (rig_view,) = model_views({**data, "models": [plain]})
+    rig_caused = {(p.path, p.message) for p in semantic_problems(rig_view.data)}
+    problems = []
+    for problem in semantic_problems(view.data):
+        path = problem.path
+        if path[:1] == ("model",):
+            path = ("models", view.index, *path[1:])
+        elif path[:2] == ("expect", "answers"):
+            path = ("models", view.index, *path)
+        elif (path, problem.message) in rig_caused:
+            continue
+        elif path[:1] == ("server",) and path[1:2] and path[1] in (entry.get("server") or {}):
+            path = ("models", view.index, *path)
+        else:
+            path = ("models", view.index, "server")  # the entry's settings with the rig's
+        problems.append(Problem(path, problem.message, problem.in_inventory))
+    return problems
+
+
+def _token_file_problems(view: ModelView, tokens: dict[str, int]) -> list[Problem]:
+    """The host keeps one Hugging Face token: ``tokens`` holds the token_file of the entries
+    before, with the first entry that named it."""
+    token = view.data["model"]["token_file"]
+    if not token:
+        return []
+    problems = []
+    if tokens and token not in tokens:
+        problems.append(
+            Problem(
+                ("models", view.index, "token_file"),
+                f"differs from models[{next(iter(tokens.values()))}]'s: the host keeps one "
+                "Hugging Face token, so the models of a rig share one token_file",
+            )
+        )
+    tokens.setdefault(token, view.index)
+    return problems
+
+
+def _shared_file_problems(view: ModelView, files: dict[str, tuple[int, object]]) -> list[Problem]:
+    """Two entries may share a file only if it is the same file: ``files`` holds each file of
+    the entries before, with its entry and sha256."""
+    problems = []
+    for file in model_files(view.data):
+        earlier = files.setdefault(file.dest, (view.index, file.sha256))
+        if earlier[0] != view.index and earlier[1] != file.sha256:
             problems.append(
                 Problem(
-                    ("models", view.index, "token_file"),
-                    f"differs from models[{next(iter(tokens.values()))}]'s: the host keeps one "
-                    "Hugging Face token, so the models of a rig share one token_file",
+                    ("models", view.index),
+                    f"its file {file.dest} is also models[{earlier[0]}]'s, with another "
+                    "sha256: give one of them another `filename`",
                 )
             )
-        if token:
-            tokens.setdefault(token, view.index)
-        for file in model_files(view.data):
-            earlier = files.setdefault(file.dest, (view.index, file.sha256))
-            if earlier[0] != view.index and earlier[1] != file.sha256:
-                problems.append(
-                    Problem(
-                        ("models", view.index),
-                        f"its file {file.dest} is also models[{earlier[0]}]'s, with another "
-                        "sha256: give one of them another `filename`",
-                    )
-                )
-    return problems + _startup_problems(data)
+    return problems
 
 
 def _startup_problems(data: dict) -> list[Problem]:
@@ -462,33 +424,6 @@ def _json_problems(value: Any, key_path: tuple) -> list[Problem]:
             "as JSON); write it as a string, number, boolean, list or mapping",
         )
     ]
-
-
-def _kv_problems(server: dict, split_mode: str, backend: str) -> list[Problem]:
-    """KV cache types llama.cpp refuses with these attention and split settings."""
-    problems: list[Problem] = []
-    type_v = server["cache_type_v"]
-    if type_v not in UNQUANTIZED_KV_TYPES and server["flash_attn"] == "off":
-        problems.append(
-            Problem(
-                ("server", "cache_type_v"),
-                f"`{type_v}` is a quantized V cache, which llama.cpp refuses without flash "
-                "attention (`quantized V cache requires flash_attn`), and `flash_attn` is "
-                "`off`; set `flash_attn: auto` or a V type of f16, bf16 or f32",
-            )
-        )
-    if split_mode == "tensor" and backend == "cuda":
-        for key in ("cache_type_k", "cache_type_v"):
-            if server[key] not in CUDA_FA_KV_TYPES:
-                problems.append(
-                    Problem(
-                        ("server", key),
-                        f"`{server[key]}` has no CUDA flash-attention kernel at the pinned "
-                        "llama.cpp, and `split_mode: tensor` forces flash attention on the GPUs; "
-                        f"use one of {', '.join(CUDA_FA_KV_TYPES[1:])} (q8_0 halves the KV)",
-                    )
-                )
-    return problems
 
 
 def _gpu_list_problems(gpus: list[dict]) -> list[Problem]:

@@ -319,102 +319,177 @@ def _strings(data: dict, *key_paths: tuple) -> list[tuple[tuple, str]]:
 
 
 def shape_problems(data: dict) -> list[tuple]:
-    """Every shape check of one host's rig data (after the schema passed)."""
+    """Every shape check of one host's rig data (after the schema passed), group by group of
+    keys."""
     problems = invisible_character_problems(data)
     flagged = {key_path for key_path, *_ in problems}
+    found = [
+        *_address_shapes(data),
+        *_ssh_user_shapes(data.get("ssh") or {}),
+        *_local_path_shapes(data),
+        *_source_shapes(data),
+        *_unit_name_shapes(data),
+        *_host_path_shapes(data),
+    ]
+    problems += _unflagged(found, flagged)
+    url_refused = any(key_path == ("model", "url") for key_path, *_ in problems)
+    problems += _unflagged(_model_file_shapes(data["model"], url_refused), flagged)
+    return problems
 
-    def check(key_path: tuple, problem: str | None) -> None:
-        if problem and key_path not in flagged:
-            problems.append((key_path, problem))
 
-    ssh, model = data.get("ssh") or {}, data["model"]
-    for key_path, value in _strings(data, ("ssh", "host")):
-        check(key_path, address_problem(value, "ssh.port", "ssh.user"))
-    for key_path, value in _strings(data, ("server", "host")):
-        check(key_path, address_problem(value, "server.port", wildcard=True))
-    for key_path, value in _strings(data, ("rpc", "host")):
+# What a shape check finds: the key path and what keeps its value from its shape, or None.
+Found = tuple[tuple, str | None]
+
+
+def _unflagged(found: list[Found], flagged: set[tuple]) -> list[tuple]:
+    """The problems found, less those of keys refused already for an invisible character."""
+    return [
+        (key_path, problem) for key_path, problem in found if problem and key_path not in flagged
+    ]
+
+
+def _address_shapes(data: dict) -> list[Found]:
+    """The addresses the host is reached at and llama-server and ggml-rpc-server bind."""
+    return [
+        *(
+            (key_path, address_problem(value, "ssh.port", "ssh.user"))
+            for key_path, value in _strings(data, ("ssh", "host"))
+        ),
+        *(
+            (key_path, address_problem(value, "server.port", wildcard=True))
+            for key_path, value in _strings(data, ("server", "host"))
+        ),
         # 0.0.0.0 and :: are refused by the RPC role rule, with the reason.
-        check(key_path, address_problem(value, "rpc.port", wildcard=True))
-    if isinstance(ssh.get("user"), str):
-        user = ssh["user"]
-        if "@" in user:
-            check(("ssh", "user"), f"{user!r} holds an address: put it in `ssh.host`")
-        elif not _LOGIN.match(user):
-            check(
+        *(
+            (key_path, address_problem(value, "rpc.port", wildcard=True))
+            for key_path, value in _strings(data, ("rpc", "host"))
+        ),
+    ]
+
+
+def _ssh_user_shapes(ssh: dict) -> list[Found]:
+    """`ssh.user`: a login name, not an address and never an option."""
+    user = ssh.get("user")
+    if not isinstance(user, str):
+        return []
+    if "@" in user:
+        return [(("ssh", "user"), f"{user!r} holds an address: put it in `ssh.host`")]
+    if not _LOGIN.match(user):
+        return [
+            (
                 ("ssh", "user"),
                 f"{user!r} is not a login name (letters, digits, `_`, `.`, `-`; not starting "
                 "with `-`), e.g. root",
             )
-    for key_path, value in _strings(data, ("ssh", "key"), ("ssh", "known_hosts")):
-        check(key_path, local_path_problem(value))
-    for key_path, value in _strings(data, ("server", "api_key_file")):
-        check(key_path, local_path_problem(value))
+        ]
+    return []
 
-    for key_path, value in _strings(data, ("model", "url")):
-        check(key_path, url_problem(value, ("http", "https"), "download over https"))
-    repo = data["nvidia_repo"]
+
+def _local_path_shapes(data: dict) -> list[Found]:
+    """The files on this machine: `ssh.key`, `ssh.known_hosts` and `server.api_key_file`."""
+    key_paths = (("ssh", "key"), ("ssh", "known_hosts"), ("server", "api_key_file"))
+    return [(key_path, local_path_problem(value)) for key_path, value in _strings(data, *key_paths)]
+
+
+def _source_shapes(data: dict) -> list[Found]:
+    """Where things are fetched from: the model's URL, NVIDIA's repository and llama.cpp's."""
+    return [
+        *(
+            (key_path, url_problem(value, ("http", "https"), "download over https"))
+            for key_path, value in _strings(data, ("model", "url"))
+        ),
+        *_nvidia_repo_shapes(data["nvidia_repo"]),
+        (("llama_cpp", "repo"), git_repo_problem(data["llama_cpp"]["repo"])),
+    ]
+
+
+def _nvidia_repo_shapes(repo: dict) -> list[Found]:
+    """NVIDIA's repository: a URL the keyring may be installed from, as a base (llamarig
+    appends the distribution), and the keyring package's Debian name and version."""
     insecure = repo.get("allow_insecure", False)
     schemes = ("https", "http", "file") if insecure else ("https",)
-    check(
-        ("nvidia_repo", "url"),
-        url_problem(
-            repo["url"],
-            schemes,
-            "the keyring is installed as root from it: use https, or set "
-            "`nvidia_repo.allow_insecure: true` for a mirror you trust on your own network",
-        ),
-    )
+    found: list[Found] = [
+        (
+            ("nvidia_repo", "url"),
+            url_problem(
+                repo["url"],
+                schemes,
+                "the keyring is installed as root from it: use https, or set "
+                "`nvidia_repo.allow_insecure: true` for a mirror you trust on your own network",
+            ),
+        )
+    ]
     distribution_path = _NVIDIA_DISTRIBUTION_PATH.search(repo["url"])
     if distribution_path:
         base = repo["url"][: distribution_path.start()]
-        check(
-            ("nvidia_repo", "url"),
-            f"{repo['url']!r} already names a distribution ({distribution_path[0].strip('/')}), "
-            f"which llamarig appends from the host's release: give the base, {base}",
+        found.append(
+            (
+                ("nvidia_repo", "url"),
+                f"{repo['url']!r} already names a distribution "
+                f"({distribution_path[0].strip('/')}), which llamarig appends from the host's "
+                f"release: give the base, {base}",
+            )
         )
     if not _DEBIAN_PACKAGE.match(repo["keyring_package"]):
-        check(
-            ("nvidia_repo", "keyring_package"),
-            f"{repo['keyring_package']!r} is not a Debian package name (lowercase letters, "
-            "digits, `+`, `-`, `.`), e.g. cuda-keyring",
+        found.append(
+            (
+                ("nvidia_repo", "keyring_package"),
+                f"{repo['keyring_package']!r} is not a Debian package name (lowercase letters, "
+                "digits, `+`, `-`, `.`), e.g. cuda-keyring",
+            )
         )
     if not _DEBIAN_VERSION.match(repo["keyring_version"]):
-        check(
-            ("nvidia_repo", "keyring_version"),
-            f"{repo['keyring_version']!r} is not a Debian version as in the .deb file name "
-            "(digits first, then letters, digits, `.+~-`, no epoch), e.g. 1.1-1",
+        found.append(
+            (
+                ("nvidia_repo", "keyring_version"),
+                f"{repo['keyring_version']!r} is not a Debian version as in the .deb file name "
+                "(digits first, then letters, digits, `.+~-`, no epoch), e.g. 1.1-1",
+            )
         )
-    check(("llama_cpp", "repo"), git_repo_problem(data["llama_cpp"]["repo"]))
+    return found
 
+
+def _unit_name_shapes(data: dict) -> list[Found]:
+    """The systemd units' names, as written without the `.service` llamarig adds."""
+    found: list[Found] = []
     for key_path, value in _strings(data, ("server", "service"), ("rpc", "service")):
         if value.startswith(("-", ".")):
-            check(
-                key_path,
-                f"{value!r} starts with {value[0]!r}; a unit name starts with a letter or digit",
+            found.append(
+                (
+                    key_path,
+                    f"{value!r} starts with {value[0]!r}; a unit name starts with a letter or "
+                    "digit",
+                )
             )
         elif value.endswith(".service"):
-            check(
-                key_path,
-                f"{value!r} ends in `.service`, which llamarig adds: write "
-                f"{value.removesuffix('.service')!r}",
+            found.append(
+                (
+                    key_path,
+                    f"{value!r} ends in `.service`, which llamarig adds: write "
+                    f"{value.removesuffix('.service')!r}",
+                )
             )
+    return found
 
+
+def _host_path_shapes(data: dict) -> list[Found]:
+    """The paths on the host: every `paths` entry, the model's path and an explicit nvcc."""
     host_paths = [("paths", key) for key in data["paths"]] + [("model", "path")]
     if data["cuda"]["nvcc"] != "auto":
         host_paths.append(("cuda", "nvcc"))
-    for key_path, value in _strings(data, *host_paths):
-        check(key_path, host_path_problem(value))
+    return [(key_path, host_path_problem(value)) for key_path, value in _strings(data, *host_paths)]
 
+
+def _model_file_shapes(model: dict, url_refused: bool) -> list[Found]:
+    """The model's file name as it lands on the disk: `model.filename`, or else the name its
+    URL gives (unless the URL is refused already)."""
     if isinstance(model.get("filename"), str):
-        check(("model", "filename"), file_name_problem(model["filename"]))
-    elif isinstance(model.get("url"), str) and ("model", "url") not in flagged:
-        derived = url_file_name(model["url"])
-        problem = file_name_problem(derived)
-        if problem and not any(key_path == ("model", "url") for key_path, *_ in problems):
-            problems.append(
-                (
-                    ("model", "url"),
-                    f"the file name taken from the URL, {problem}; set `model.filename`",
-                )
-            )
-    return problems
+        return [(("model", "filename"), file_name_problem(model["filename"]))]
+    if not isinstance(model.get("url"), str) or url_refused:
+        return []
+    problem = file_name_problem(url_file_name(model["url"]))
+    if problem is None:
+        return []
+    return [
+        (("model", "url"), f"the file name taken from the URL, {problem}; set `model.filename`")
+    ]

@@ -33,10 +33,9 @@ from llamarig.model.catalog import is_router, served_data
 from llamarig.model.files import model_files
 from llamarig.model.reference import HubError
 from llamarig.onhost import checksums, deploy_record, hostpaths
-from llamarig.onhost.httpbounds import HttpTimeouts
 from llamarig.planner import render
 from llamarig.planner.gather import plan_for
-from llamarig.planner.plan import HostPlan
+from llamarig.planner.host_plan import HostPlan
 from llamarig.tables.packages import BUILD_DEPENDENCIES, DKMS_SOURCES, build_tools
 
 _rigs: dict[str, dict] = {}
@@ -184,29 +183,16 @@ def service_running(
     service: str,
     out_of_date: Callable[[], bool],
     why: str,
-    drain_url: str | None = None,
-    drain_timeout: int = 0,
-    drain_bounds: HttpTimeouts | None = None,
-    drain_host: str | None = None,
-    drain_service: str | None = None,
-    drain_models: tuple[str, ...] = (),
+    drain_first: operations.Drain | None = None,
 ) -> tuple[OperationMeta, OperationMeta]:
     """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
-    inputs) unless this run just started it, after the requests in flight at ``drain_url``
-    (on ``drain_host``'s ``drain_service``, else this host's) finished, at most
-    ``drain_timeout`` seconds, each look bounded by ``drain_bounds`` (that server's
-    server.http_timeouts; ``drain_models``: a router's models); returns the start and the
-    restart."""
+    inputs) unless this run just started it, after the requests in flight on ``drain_first``
+    (``operations.Drain``; None: no wait) finished; returns the start and the restart."""
     started = operations.unit_running(name=f"{service} enabled and running", unit=service)
     restarted = operations.restart_service(
         name=f"Restart {service} ({why})",
         service=service,
-        drain_url=drain_url,
-        drain_timeout=drain_timeout,
-        drain_bounds=drain_bounds,
-        drain_host=drain_host,
-        drain_service=drain_service,
-        drain_models=drain_models,
+        drain_first=drain_first,
         _if=lambda: out_of_date() and not started.did_change(),
     )
     return started, restarted

@@ -1,4 +1,5 @@
 """The model: how it is named (`reference`: a Hugging Face reference's parts), resolved on the
-Hub (`hub`) into the pinned files that `lock` keeps in models.lock.yml with their headers
-(`header_record`), its files on a host and their shards (`files`), and its GGUF header, read by URL,
-from a local copy or from the host and kept on this machine (`header`)."""
+Hub (`hub`) into pinned files, which models a rig serves (`catalog`), its files on a host and
+their shards (`files`), its GGUF header as llama.cpp reads it (`gguf`), and that header as a
+compact record (`header_record`). models.lock.yml, which keeps them, is `config.lock`; the
+header found by URL, local copy or host is `planner.header`."""

@@ -34,7 +34,7 @@ READ_CHUNK = 1 << 20
 MAX_LAYERS = 512
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.")
 # Tensors the planner sizes by their second dimension: the embedding and output matrices and
-# the FFN weights that tensor mode splits by rows (memory.py's _FFN_SPLIT).
+# the FFN weights that tensor mode splits by rows (planner/placement.py's _FFN_SPLIT).
 _MATRIX_TENSOR = re.compile(
     r"(token_embd|output)\.weight|blk\.\d+\.ffn_(up|gate|down|gate_up)(_exps|_shexp)?\.weight"
 )

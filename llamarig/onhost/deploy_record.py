@@ -3,7 +3,7 @@
 ``/var/lib/llamarig/last-deploy.json`` is replaced when a run ends for the host: after the
 deploy's last operation (``converged``: how many operations changed something, and which), or
 when an operation fails (``failed``: which, and whether the server was rolled back to the last
-version that served; ``operations._roll_back`` leaves ``ROLLED_BACK_PATH`` for that).
+version that served; ``operations.rollback`` leaves ``ROLLED_BACK_PATH`` for that).
 
 A pyinfra state callback writes it, not an operation: an operation that wrote it would count
 as a change in every run, and a second converge must report none. A dry run executes no

@@ -18,6 +18,12 @@ from llamarig.operations.download import (
     record_checksum,
     record_headers,
 )
+from llamarig.operations.drain import (
+    DRAIN_POLL_S,
+    DRAIN_REPORT_S,
+    Drain,
+    drain,
+)
 from llamarig.operations.files import (
     absent,
     atomic_file,
@@ -34,6 +40,7 @@ from llamarig.operations.host import (
     machine_owner_key,
     reboot,
 )
+from llamarig.operations.rollback import serve_or_roll_back
 from llamarig.operations.serve import (
     check_rpc_workers,
     check_server_flags,
@@ -41,17 +48,13 @@ from llamarig.operations.serve import (
     record_gpu_overheads,
     reload_presets,
     restart_rpc_head,
-    serve_or_roll_back,
     server_flags,
     tcp_probe,
     wait_for_port,
     wrong_answers,
 )
 from llamarig.operations.systemd import (
-    DRAIN_POLL_S,
-    DRAIN_REPORT_S,
     check_unit_active,
-    drain,
     journal_tail_command,
     reset_failed_command,
     restart_command,
@@ -64,6 +67,7 @@ __all__ = [
     "DRAIN_POLL_S",
     "DRAIN_REPORT_S",
     "DownloadReport",
+    "Drain",
     "absent",
     "apt_lists_fresh",
     "apt_packages",

@@ -1,109 +1,29 @@
-"""systemd units: running and enabled, a restart that first drains the requests in flight,
-and the checks `llamarig verify` shares."""
+"""systemd units: running and enabled, a restart that first drains the requests in flight
+(``drain``), and the checks `llamarig verify` shares."""
 
 from __future__ import annotations
 
 import shlex
-import time
 
-from pyinfra import host, logger
-from pyinfra.api import (
-    FunctionCommand,
-    StringCommand,
-    operation,
-)
+from pyinfra import host
+from pyinfra.api import FunctionCommand, operation
 
 from llamarig.facts.cache import known
-from llamarig.facts.server import parse_slot_counts, slot_counts_command
 from llamarig.facts.systemd import UnitState
-from llamarig.onhost.httpbounds import HttpTimeouts
-from llamarig.operations.host import connected_host, fail
-
-# How often a drain polls the slots, and how often it says what it waits for.
-DRAIN_POLL_S = 1
-DRAIN_REPORT_S = 10
-
-
-def drain(
-    host,
-    base_url: str,
-    service: str,
-    timeout: int,
-    timeouts: HttpTimeouts,
-    server_host=None,
-    restarting: str = "it",
-    models: tuple[str, ...] = (),
-) -> None:
-    """Wait until no slot of the llama-server at ``base_url`` processes a request, at most
-    ``timeout`` seconds, saying what it waits for; llama-server has no graceful stop (SIGTERM
-    ends the requests in flight), so this is the drain. Returns at once when ``timeout`` is 0
-    (server.drain_timeout: do not wait), when nothing is busy or when /slots does not answer (a
-    server that is down or hung has nothing to finish). ``timeouts``: the server's
-    server.http_timeouts, which bound each look at /slots. ``server_host``: the host the server
-    runs on, where /slots is asked (default ``host``); ``restarting``: what restarts after;
-    ``models``: a router's model names (the slots of each loaded one)."""
-    if timeout <= 0:
-        return
-    server_host = server_host or host
-    started = time.monotonic()
-    reported = None
-    while True:
-        _, output = server_host.run_shell_command(
-            StringCommand(slot_counts_command(base_url, timeouts, models))
-        )
-        lines = output.stdout_lines
-        total, busy = parse_slot_counts(lines[-1] if lines else "")
-        waited = time.monotonic() - started
-        if busy == 0:
-            if reported is not None:
-                host.log(
-                    f"llamarig: the requests in flight on {service} finished after "
-                    f"{waited:.0f} s: restarting {restarting}"
-                )
-            return
-        if waited >= timeout:
-            host.log_styled(
-                f"llamarig: {busy} of {total} slots of {service} still busy after {timeout} s "
-                f"(server.drain_timeout): restarting {restarting} anyway, cutting {busy} "
-                "request(s)",
-                fg="yellow",
-                log_func=logger.warning,
-            )
-            return
-        if reported is None or waited - reported >= DRAIN_REPORT_S:
-            host.log(
-                f"llamarig: waiting for {busy} of {total} slots of {service} to finish their "
-                f"requests before restarting {restarting} ({timeout - waited:.0f} s left of "
-                "server.drain_timeout)"
-            )
-            reported = waited
-        time.sleep(DRAIN_POLL_S)
+from llamarig.operations.drain import Drain, drain_before_restart
+from llamarig.operations.host import fail
 
 
 @operation(is_idempotent=False)
-def restart_service(
-    service: str,
-    drain_url: str | None = None,
-    drain_timeout: int = 0,
-    drain_bounds: HttpTimeouts | None = None,
-    drain_host: str | None = None,
-    drain_service: str | None = None,
-    drain_models: tuple[str, ...] = (),
-):
+def restart_service(service: str, drain_first: Drain | None = None):
     """
     Restart a systemd service on purpose: its start rate limit (meant for crash loops) is
     reset first, so a run of deliberate deploys is never refused with "start request repeated
     too quickly". Guard it with ``_if=``: it always restarts.
 
     + service: unit name, e.g. ``llama-server.service``
-    + drain_url, drain_timeout: a llama-server's base URL and the most seconds to wait for
-      its requests in flight to finish before the restart (``drain``); none: no wait
-    + drain_bounds: that server's server.http_timeouts (each look at its /slots); required
-      with ``drain_url``
-    + drain_host, drain_service: the inventory host that llama-server runs on and its unit,
-      when it is not this host's ``service`` (an RPC worker drains its head's server, whose
-      requests end when the worker goes away); reached over its own connection
-    + drain_models: a router's model names, whose loaded ones' slots the drain waits for
+    + drain_first: the llama-server whose requests in flight to wait for before the restart
+      (``Drain``: on this host, or on another one over its own connection); None: no wait
 
     **Example:**
 
@@ -111,32 +31,18 @@ def restart_service(
 
         restart_service(
             service="llama-server.service",
-            drain_url="http://127.0.0.1:8080",
-            drain_timeout=120,
-            drain_bounds=HttpTimeouts.of(rig),
+            drain_first=Drain(
+                url="http://127.0.0.1:8080",
+                timeout=120,
+                bounds=HttpTimeouts.of(rig),
+                service="llama-server.service",
+            ),
         )
     """
-    if drain_url:
+    if drain_first:
 
         def drained(state, host) -> bool:
-            if not drain_host:
-                drain(host, drain_url, service, drain_timeout, drain_bounds, models=drain_models)
-                return True
-            server_host = connected_host(
-                state, drain_host, f"to drain it before {service} restarts"
-            )
-            if not server_host:
-                host.log_styled(
-                    f"llamarig: {drain_host} is not reachable, so its requests in flight on "
-                    f"{drain_service} were not waited for: restarting {service}",
-                    fg="yellow",
-                    log_func=logger.warning,
-                )
-                return True
-            label = f"{drain_service} on {drain_host}"
-            drain(
-                host, drain_url, label, drain_timeout, drain_bounds, server_host, restarting=service
-            )
+            drain_before_restart(state, host, drain_first, service)
             return True
 
         yield FunctionCommand(drained, (), {})

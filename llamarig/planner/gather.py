@@ -15,7 +15,9 @@ from llamarig.facts.gpu import MeasuredOverheads, NvidiaPciDevices, NvidiaSmiGpu
 from llamarig.model.catalog import is_router, model_views
 from llamarig.onhost.hostpaths import OVERHEADS_DIR
 from llamarig.planner.header import FoundHeader, find_model_header, load_header
-from llamarig.planner.plan import HostPlan, PlannedModel, plan_host, plan_router
+from llamarig.planner.host_plan import HostPlan, PlannedModel
+from llamarig.planner.plan import plan_host
+from llamarig.planner.router_plan import plan_router
 from llamarig.tables.hardware import gpus_from_pci
 
 
@@ -113,7 +115,7 @@ def _plan_router(
     name: str, data: dict, reader: Reader | None, gpus: bool
 ) -> tuple[HostPlan, Gathered]:
     """The plan of a rig of several models: each planned as a one-model rig, then together
-    (``plan.plan_router``)."""
+    (``router_plan.plan_router``)."""
     planned, together = [], Gathered()
     for view in model_views(data):
         plan, gathered = plan_for(name, view.data, reader, gpus=gpus)

@@ -10,21 +10,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from dataclasses import dataclass, field
-from typing import Any
 
-from llamarig.model.catalog import ModelView, with_views
 from llamarig.model.gguf import GgufHeader
 from llamarig.planner import render
+from llamarig.planner.host_plan import HostPlan
 from llamarig.planner.memory import (
-    CTX_PAD,
     TENSOR_SPLIT_UNSUPPORTED,
     Device,
     MemoryPlan,
     default_reserve_mib,
-    kv_cells,
     plan_memory,
 )
+from llamarig.planner.placement import CTX_PAD, kv_cells
 from llamarig.tables.hardware import (
     check_versions,
     chosen_versions,
@@ -33,7 +30,6 @@ from llamarig.tables.hardware import (
     same_gpu_name,
 )
 from llamarig.tables.llama_args import CUDA_FA_KV_TYPES
-from llamarig.tables.text import printable
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
 DEFAULT_DRAFT_MAX = 3
@@ -130,285 +126,6 @@ def reserve_mib(
     return default, (
         f"measured on H200s for {split_mode} mode {'with' if nccl else 'without'} NCCL "
         "(planner.reserve_mib: auto; the deploy measures this rig after its first start)"
-    )
-
-
-@dataclass
-class HostPlan:
-    """Everything llamarig decided for one host, and why it would refuse."""
-
-    host: str
-    resolved: dict  # the rig data with ctx and tensor_split resolved
-    gpus: list[dict]
-    gpu_source: str  # declared | probed | pci | none
-    cuda_architectures: str | None
-    memory: MemoryPlan | None
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    # The GPUs llama-server is given (--device), in the order of the memory plan's devices.
-    used_gpus: list[dict] = field(default_factory=list)
-    split_mode_reason: str = ""
-    # The choices made without the model's GGUF header (split mode, memory per GPU, ...), and
-    # why it could not be had: a plan that may change once the header is read.
-    blind: list[str] = field(default_factory=list)
-    blind_reason: str = ""
-    # A rig of several models (`models:`): each model's own plan, and the worst case of the
-    # models loaded at once (their problems are in ``errors``).
-    models: list[PlannedModel] = field(default_factory=list)
-    at_once: AtOnce | None = None
-
-    @property
-    def provisional(self) -> str:
-        """One line saying which choices were made blind, or "" for a plan that is final."""
-        if not self.blind:
-            return ""
-        return (
-            f"provisional: {', '.join(self.blind)} chosen without the model's GGUF header "
-            f"({self.blind_reason}); record it with `llamarig lock` (models.lock.yml)"
-        )
-
-    @property
-    def fits(self) -> bool:
-        return not self.errors and (self.memory is None or self.memory.fits)
-
-    @property
-    def planned_gpu_indices(self) -> list[int] | None:
-        """nvidia-smi's index of each GPU the memory plan fills, in the plan's device order;
-        None when the plan has no memory for the GPUs llama-server is given (a CPU build, an
-        RPC head's remote devices)."""
-        devices, _ = render.server_devices(self.resolved)
-        if not self.memory or not devices or len(devices) != len(self.memory.devices):
-            return None
-        return [int(name.removeprefix("CUDA")) for name in devices]
-
-    @property
-    def server_args(self) -> list[str]:
-        return render.server_args(self.resolved)
-
-    @property
-    def cmake_args(self) -> list[str]:
-        return render.cmake_configure_command(self.resolved)
-
-    def to_json(self) -> dict[str, Any]:
-        server = self.resolved["server"]
-        devices = []
-        for index, gpu in enumerate(self.used_gpus or self.gpus):
-            row = {"index": index, "name": gpu["name"], "vram_total_mib": gpu["vram_mib"]}
-            if self.memory:
-                device = self.memory.devices[index]
-                row.update(
-                    weights_mib=device.weights_mib,
-                    kv_mib=device.kv_mib + device.state_mib,
-                    compute_mib=device.compute_mib,
-                    reserve_mib=device.reserve_mib,
-                    planned_mib=device.planned_mib,
-                )
-            devices.append(row)
-        return {
-            "fits": self.fits,
-            "provisional": self.blind,
-            "errors": self.errors,
-            "warnings": self.warnings,
-            "cuda_architectures": self.cuda_architectures or "",
-            "split_mode": server["split_mode"],
-            "split_mode_reason": self.split_mode_reason,
-            # a list of shares; "auto" where the split is not planned yet (no header)
-            "tensor_split": server["tensor_split"]
-            if isinstance(server["tensor_split"], str)
-            else list(server["tensor_split"] or []),
-            "ctx": server["ctx"],
-            "devices": devices,
-            "server_args": self.server_args if self.server_args_ready else [],
-            "cmake_args": self.cmake_args,
-        }
-
-    @property
-    def server_args_ready(self) -> bool:
-        server = self.resolved["server"]
-        return "auto" not in (server["ctx"], server["tensor_split"])
-
-    def _models_report(self) -> list[str]:
-        """A rig of several models: each model's plan, then the worst case loaded at once."""
-        lines = []
-        for model in self.models:
-            server, memory = model.plan.resolved["server"], model.plan.memory
-            loads = "at startup" if model.view.load_on_startup else "at its first request"
-            lines.append(
-                f"  model {model.view.name} (loaded {loads}): split mode {server['split_mode']}, "
-                f"ctx {server['ctx']}, {server['parallel']} slot(s)"
-            )
-            if memory:
-                lines.extend("    " + line for line in memory.table().splitlines())
-        if self.at_once and self.at_once.devices:
-            lines.extend("  " + line for line in self.at_once.table().splitlines())
-        elif self.at_once:
-            lines.append(f"  {self.at_once.table()} (no GPU memory planned)")
-        for model in self.models:
-            if model.plan.server_args_ready:
-                options = render.model_options(model.plan.resolved)
-                flat = [part for option in options for part in option if part is not None]
-                model_file = render.layout(model.plan.resolved)["model"]
-                joined = render.shell_join(["-m", model_file, *flat])
-                lines.append(f"  preset [{model.view.name}]: {printable(joined)}")
-        return lines
-
-    def report(self) -> str:
-        """The plan as a person reads it: every line shown with control and format
-        characters escaped (``text.printable``), since its values come from the rig data, the
-        lock and a probed box (a GPU's name, a file name decoded from a URL); a multi-line
-        error (the memory table) keeps its own lines."""
-        return "\n".join(
-            printable(line) for entry in self._report_lines() for line in entry.split("\n")
-        )
-
-    def _report_lines(self) -> list[str]:
-        server = self.resolved["server"]
-        verdict = "REFUSED" if not self.fits else "PROVISIONAL" if self.blind else "fits"
-        lines = [f"== {self.host}: {verdict}"]
-        if self.provisional:
-            lines.append(f"  {self.provisional}")
-        for index, gpu in enumerate(self.gpus):
-            # A probed GPU's fields are what the box printed: escaped, a line break too.
-            lines.append(
-                f"  GPU {index} ({self.gpu_source}): {printable(gpu['name'])}, "
-                f"{printable(gpu['vram_mib'])} MiB, compute {printable(gpu['compute_capability'])}"
-                + (f", {printable(gpu['bus_id'])}" if gpu.get("bus_id") else "")
-            )
-        if self.cuda_architectures:
-            lines.append(f"  CUDA architectures: {self.cuda_architectures}")
-        if self.models:
-            lines.extend(self._models_report())
-        elif self.resolved["role"] != "rpc-worker":
-            lines.append(f"  split mode {server['split_mode']}: {self.split_mode_reason}")
-        if self.memory:
-            ratio = ", ".join(f"{share:.3f}" for share in self.memory.ratio)
-            lines.append(
-                f"  split {server['split_mode']} ratio [{ratio}], ctx {self.memory.ctx}, "
-                f"KV {self.memory.type_k}/{self.memory.type_v}; "
-                f"{self.memory.host_weights_mib} MiB of weights stay in host memory"
-            )
-            if self.memory.fits:  # otherwise the table is part of the error below
-                lines.extend("  " + line for line in self.memory.table().splitlines())
-        lines.extend(f"  error: {error}" for error in self.errors)
-        lines.extend(f"  warning: {warning}" for warning in self.warnings)
-        lines.extend(f"  note: {note}" for note in self.notes)
-        if self.resolved["role"] == "rpc-worker":
-            rpc_args = render.shell_join(render.rpc_server_args(self.resolved))
-            lines.append(f"  ggml-rpc-server: {printable(rpc_args)}")
-        elif self.server_args_ready:
-            lines.append(f"  llama-server: {printable(render.shell_join(self.server_args))}")
-        lines.append(f"  cmake: {printable(render.shell_join(self.cmake_args))}")
-        return lines
-
-
-# --- a rig of several models (`models:`, llama-server's router mode): each model planned as a
-# one-model rig (`plan_host`), then the models that may be loaded at once planned together, each
-# child process with its own reserve (CUDA context, workspaces).
-
-
-@dataclass(frozen=True)
-class PlannedModel:
-    """One model of the rig with its own plan."""
-
-    view: ModelView
-    plan: HostPlan
-
-    @property
-    def device_mib(self) -> dict[str, int]:
-        """MiB this model's process holds per GPU (its buffers and its reserve)."""
-        memory = self.plan.memory
-        return {d.name: d.planned_mib for d in memory.devices} if memory else {}
-
-
-@dataclass(frozen=True)
-class AtOnce:
-    """The models that may be loaded at once and what they need together, per GPU."""
-
-    names: list[str]
-    # name -> (planned MiB of all of them, with the margin, of how many the GPU has)
-    devices: dict[str, tuple[int, int, int]]
-    problems: list[str]
-
-    @property
-    def fits(self) -> bool:
-        return not self.problems and all(need <= have for _, need, have in self.devices.values())
-
-    def table(self) -> str:
-        lines = [f"loaded at once (worst case): {', '.join(self.names)}"]
-        if self.devices:
-            width = max(len("GPU"), *(len(name) for name in self.devices)) + 2
-            lines.append(f"{'GPU':<{width}}{'planned':>9}{'need':>8}{'have':>8}{'deficit':>9}")
-            for name, (planned, need, have) in self.devices.items():
-                deficit = max(0, need - have)
-                lines.append(f"{name:<{width}}{planned:>9}{need:>8}{have:>8}{deficit:>9}")
-        return "\n".join(lines)
-
-
-def loaded_at_once(models: list[PlannedModel], models_max: int | None) -> AtOnce:
-    """The worst case the router may reach: the models loaded at startup, then the largest of
-    the others, up to ``models_max`` (None: all); their GPU memory summed per GPU, the safety
-    margin counted once."""
-    most = models_max or len(models)
-    startup = [m for m in models if m.view.load_on_startup]
-    problems = []
-    if len(startup) > most:
-        problems.append(
-            f"server.models_max is {most}, but {len(startup)} models load at startup "
-            f"({', '.join(m.view.name for m in startup)}): raise models_max or set "
-            "load_on_startup: false on some"
-        )
-    others = sorted(
-        (m for m in models if not m.view.load_on_startup),
-        key=lambda m: sum(m.device_mib.values()),
-        reverse=True,
-    )
-    chosen = (startup + others)[: max(most, len(startup))]
-    devices: dict[str, tuple[int, int, int]] = {}
-    for model in chosen:
-        memory = model.plan.memory
-        for device in memory.devices if memory else []:
-            planned, _, _ = devices.get(device.name, (0, 0, device.vram_mib))
-            planned += device.planned_mib
-            devices[device.name] = (planned, planned + device.margin_mib, device.vram_mib)
-    at_once = AtOnce([m.view.name for m in chosen], devices, problems)
-    short = [
-        f"{name} lacks {need - have} MiB ({need} needed, {have} there)"
-        for name, (_, need, have) in devices.items()
-        if need > have
-    ]
-    if short:
-        problems.append(
-            f"the models that may be loaded at once ({', '.join(at_once.names)}) do not fit "
-            f"together: {'; '.join(short)}; lower server.models_max, a model's ctx or "
-            "parallel, or serve fewer models"
-        )
-    return at_once
-
-
-def plan_router(name: str, data: dict, planned: list[PlannedModel]) -> HostPlan:
-    """The plan of a rig of several models from each model's own plan (``planned``, in the
-    order of `models:`): their problems named by model, and those loaded at once together."""
-    at_once = loaded_at_once(planned, data["server"]["models_max"])
-
-    def named(model: PlannedModel, lines: list[str]) -> list[str]:
-        return [f"models[{model.view.index}] ({model.view.name}): {line}" for line in lines]
-
-    first = planned[0].plan
-    return HostPlan(
-        host=name,
-        resolved=with_views(data, [model.view for model in planned]),
-        gpus=first.gpus,
-        gpu_source=first.gpu_source,
-        cuda_architectures=first.cuda_architectures,
-        memory=None,
-        errors=[e for m in planned for e in named(m, m.plan.errors)] + at_once.problems,
-        warnings=[w for m in planned for w in named(m, m.plan.warnings)],
-        notes=[n for m in planned for n in named(m, m.plan.notes)],
-        blind=[line for model in planned for line in named(model, model.plan.blind)],
-        blind_reason=next((m.plan.blind_reason for m in planned if m.plan.blind), ""),
-        models=planned,
-        at_once=at_once,
     )
 
 
@@ -634,14 +351,24 @@ def _memory_is_planned(
 def _plan_memory(
     plan: HostPlan, data: dict, header: GgufHeader, measured_overheads: dict | None
 ) -> None:
-    """The devices the model is spread over (an RPC head's workers' GPUs first, as llama.cpp
-    orders them; those with a zero share left out) and the memory plan on them, which sets
-    the context and the split; a tensor-mode split that does not fit falls back to layer mode
+    """The devices the model is spread over and the memory plan on them, which sets the
+    context and the split; a tensor-mode split that does not fit falls back to layer mode
     when the split mode was `auto`."""
-    resolved, gpus = plan.resolved, plan.gpus
-    server, declared = resolved["server"], data["gpus"]
+    devices, requested = _planned_devices(plan, data)
+    try:
+        memory = _fitting_memory(plan, data, header, devices, requested, measured_overheads)
+    except ValueError as error:
+        plan.errors.append(str(error))
+        return
+    _apply_memory(plan, header, memory, len(devices), measured_overheads)
+
+
+def _planned_devices(plan: HostPlan, data: dict) -> tuple[list[Device], list[float] | str]:
+    """The devices the model is spread over (an RPC head's workers' GPUs first, as llama.cpp
+    orders them; those with a zero share left out; one in split mode none) and the tensor
+    split asked for over them; sets ``plan.used_gpus``, the GPUs llama-server is given."""
+    gpus, server, declared = plan.gpus, plan.resolved["server"], data["gpus"]
     worker_gpus = data["rpc"].get("worker_gpus") or [] if data["role"] == "rpc-head" else []
-    limits = data["planner"]
     # llama.cpp puts RPC devices first: the workers' GPUs, in rpc.workers order, then ours.
     local_caps = [(declared[i].get("usable_mib") if declared else None) for i in range(len(gpus))]
     used = [{**g, "name": f"{g['name']} ({g['worker']})"} for g in worker_gpus] + list(gpus)
@@ -650,7 +377,6 @@ def _plan_memory(
         Device(g["name"], min(g["vram_mib"], cap or 1 << 30))
         for g, cap in zip(used, caps, strict=True)
     ]
-    split_mode = server["split_mode"]
     requested = server["tensor_split"] if server["tensor_split"] is not None else "auto"
     if isinstance(requested, list) and 0 in requested:
         left_out = [g["name"] for g, share in zip(used, requested, strict=True) if not share]
@@ -658,12 +384,27 @@ def _plan_memory(
         devices = [d for d, share in zip(devices, requested, strict=True) if share]
         used = [g for g, share in zip(used, requested, strict=True) if share]
         requested = [share for share in requested if share]
-    if split_mode == "none" and len(devices) > 1:
+    if server["split_mode"] == "none" and len(devices) > 1:
         devices, used = devices[:1], used[:1]
     plan.used_gpus = used
+    return devices, requested
+
+
+def _fitting_memory(
+    plan: HostPlan,
+    data: dict,
+    header: GgufHeader,
+    devices: list[Device],
+    requested: list[float] | str,
+    measured_overheads: dict | None,
+) -> MemoryPlan:
+    """The memory plan in the split mode chosen, or in layer mode where tensor mode does not
+    fit and layer mode does while the split mode was `auto` (then ``server.split_mode`` and its
+    reason say so); ValueError for settings the memory model refuses."""
+    server = plan.resolved["server"]
 
     def planned(mode: str) -> MemoryPlan:
-        reserve, _ = reserve_mib(resolved, mode, len(devices), measured_overheads)
+        reserve, _ = reserve_mib(plan.resolved, mode, len(devices), measured_overheads)
         return plan_memory(
             header,
             [dataclasses.replace(device, reserve_mib=reserve) for device in devices],
@@ -675,28 +416,40 @@ def _plan_memory(
             type_k=server["cache_type_k"],
             type_v=server["cache_type_v"],
             n_ubatch=server["ubatch"],
-            margin_mib=limits["margin_mib"],
+            margin_mib=data["planner"]["margin_mib"],
             mtp_draft_n_max=_mtp_draft(server),
             # a count plans a partial offload; all and auto offload every layer
             n_gpu_layers=server["gpu_layers"] if isinstance(server["gpu_layers"], int) else None,
         )
 
-    try:
-        memory = planned(split_mode)
-        if data["server"]["split_mode"] == "auto" and split_mode == "tensor" and not memory.fits:
-            # Tensor mode holds more per card (the all-reduce's buffers): layer may still fit.
-            layered = planned("layer")
-            if layered.fits:
-                memory, split_mode = layered, "layer"
-                server["split_mode"] = "layer"
-                plan.split_mode_reason = (
-                    "tensor mode does not fit these GPUs' memory and layer mode does"
-                )
-    except ValueError as error:
-        plan.errors.append(str(error))
-        return
+    memory = planned(server["split_mode"])
+    auto_chose_tensor = data["server"]["split_mode"] == "auto" and server["split_mode"] == "tensor"
+    if auto_chose_tensor and not memory.fits:
+        # Tensor mode holds more per card (the all-reduce's buffers): layer may still fit.
+        layered = planned("layer")
+        if layered.fits:
+            memory = layered
+            server["split_mode"] = "layer"
+            plan.split_mode_reason = (
+                "tensor mode does not fit these GPUs' memory and layer mode does"
+            )
+    return memory
+
+
+def _apply_memory(
+    plan: HostPlan,
+    header: GgufHeader,
+    memory: MemoryPlan,
+    n_devices: int,
+    measured_overheads: dict | None,
+) -> None:
+    """What the memory plan settles: the reserve it used (a note), the context and the split
+    llama-server gets, and the errors of a plan that does not fit or drafts without MTP
+    layers."""
+    server = plan.resolved["server"]
+    split_mode = server["split_mode"]
     plan.memory = memory
-    reserve, origin = reserve_mib(resolved, split_mode, len(devices), measured_overheads)
+    reserve, origin = reserve_mib(plan.resolved, split_mode, n_devices, measured_overheads)
     plan.notes.append(f"reserve {reserve} MiB per GPU beyond llama.cpp's buffers: {origin}")
     server["ctx"] = memory.ctx
     if split_mode == "none":

@@ -1,6 +1,6 @@
 """The answer check (`expect.answers`): each answer's request, the host command that sends it,
 and the verdict on the reply. One definition for `llamarig verify` (llamarig/checks) and the
-deploy's post-start check (operations.serve_or_roll_back), so both judge alike.
+deploy's post-start check (operations/rollback.py, serve_or_roll_back), so both judge alike.
 
 Greedy decoding (temperature 0, a fixed seed) makes an answer a property of the model and the
 build: a wrong architecture list or a broken split shows as a wrong answer at full speed."""

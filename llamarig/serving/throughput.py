@@ -1,10 +1,7 @@
 """`llamarig tune`'s measurements through a temporary llama-server of the deployed build, on
 loopback on a port beside the service's, started outside the unit and stopped after: the load
-sweep of `llamarig tune --for throughput`, and, with speculative decoding (``server.spec``), the
-draft lengths (llama-bench does not draft).
-
-Draft lengths: each is served and asked the same short prompts, greedy; the median decode speed
-of the prompts is the draft length's.
+sweep of `llamarig tune --for throughput`, and the temporary server that draft_tune.py serves
+each draft length of speculative decoding with (llama-bench does not draft).
 
 `llamarig tune --for throughput`: the server settings that serve a team best, measured on the
 host with the deployed build: the most output tokens per second with as many clients at once as
@@ -40,6 +37,7 @@ from dataclasses import dataclass, replace
 
 from llamarig.onhost import hostpaths
 from llamarig.planner import render
+from llamarig.serving.choice import kept_or_best
 
 PARALLEL_VALUES = (1, 2, 4, 8, 16)
 # (batch, ubatch): many clients' prompts arrive at once, so a larger physical batch may pay.
@@ -246,11 +244,9 @@ def winner(
     eligible = [r for r in results if r.tps and r.gap_p95_ms <= bound_ms]
     if not eligible:
         return None
-    best = max(eligible, key=lambda r: r.tps)
-    kept = next((r for r in eligible if r.candidate == planned), None)
-    if kept and kept.tps >= best.tps * (1 - KEEP_WITHIN):
-        return kept
-    return best
+    return kept_or_best(
+        eligible, lambda r: r.tps, lambda r: r.candidate == planned, keep_within=KEEP_WITHIN
+    )
 
 
 def stages(data: dict, best: LoadCandidate, stage: int) -> list[LoadCandidate]:
@@ -333,26 +329,10 @@ def table(results: list[LoadMeasured], chosen: LoadMeasured | None, bound: float
     return "\n".join(lines)
 
 
-# --- the temporary server, and the draft lengths served on it ---
+# --- the temporary server ---
 
-DRAFT_MAX_VALUES = (1, 2, 3, 4)
-DRAFT_TOKENS = 128
-DRAFT_PROMPTS = (
-    "List the numbers from 1 to 40, separated by commas.",
-    "Write a Python function that returns the sum of a list of integers, with a docstring.",
-    "Repeat this sentence five times: the quick brown fox jumps over the lazy dog.",
-)
 PORT_OFFSET = 1000
 START_SECONDS = 600
-
-
-@dataclass
-class DraftMeasured:
-    draft_max: int
-    tps: float | None = None  # the median of the prompts' decode speeds
-    low: float | None = None  # the slowest and fastest prompt
-    high: float | None = None
-    skipped: str = ""
 
 
 def port_beside_service(data: dict) -> int:
@@ -368,13 +348,6 @@ def temporary_server(data: dict) -> dict:
     changed["server"]["port"] = port_beside_service(data)
     changed["server"]["host"] = "127.0.0.1"
     return changed
-
-
-def draft_server_data(data: dict, draft_max: int) -> dict:
-    """The temporary server of ``data`` (the rig with the tuned settings) with ``draft_max``."""
-    served = temporary_server(data)
-    served["server"]["spec"] = {**served["server"]["spec"], "draft_max": draft_max}
-    return served
 
 
 def starter(run: Run):
@@ -430,83 +403,8 @@ def wait_command(data: dict, pid: int) -> str:
     )
 
 
-def draft_request_command(data: dict, prompt: str) -> str:
-    """One greedy completion of exactly DRAFT_TOKENS tokens (past an end-of-text token, so a
-    short answer does not count as a speed; no prompt cache between the runs)."""
-    body = json.dumps(
-        {
-            "prompt": prompt,
-            "n_predict": DRAFT_TOKENS,
-            "temperature": 0,
-            "ignore_eos": True,
-            "cache_prompt": False,
-        }
-    )
-    url = shlex.quote(f"{render.base_url(data)}/completion")
-    return (
-        f"curl -sS -f -m 300 {hostpaths.CURL_AUTH} -H 'Content-Type: application/json' "
-        f"--data-binary {shlex.quote(body)} -- {url}"
-    )
-
-
 def stop_command(pid: int) -> str:
     return (
         f"kill {pid} 2>/dev/null; i=0; while kill -0 {pid} 2>/dev/null && [ $i -lt 60 ]; do "
         f"sleep 0.5; i=$((i+1)); done; kill -9 {pid} 2>/dev/null; true"
     )
-
-
-def _served_speeds(data: dict, run: Run) -> list[float]:
-    """Start one temporary server, decode DRAFT_PROMPTS, stop it; raises ValueError."""
-    start, stop = starter(run)
-    pid = start(data)
-    try:
-        speeds = []
-        for prompt in DRAFT_PROMPTS:
-            status, output, error = run(draft_request_command(data, prompt), 360)
-            if status:
-                raise ValueError(error.strip() or "the completion failed")
-            timings = json.loads(output)["timings"]
-            if timings["predicted_n"] != DRAFT_TOKENS:
-                raise ValueError(f"decoded {timings['predicted_n']} of {DRAFT_TOKENS} tokens")
-            speeds.append(float(timings["predicted_per_second"]))
-        return speeds
-    finally:
-        stop(pid)
-
-
-def draft_sweep(
-    data: dict,
-    label: str,
-    run: Run,
-    saved: dict,
-    save: Callable[[dict], None],
-    deadline: float,
-    say: Callable[[str], None],
-) -> list[DraftMeasured]:
-    """Serve ``data`` (the rig with the chosen settings, ``label``) with each draft length in
-    DRAFT_MAX_VALUES until ``deadline``, reusing what ``saved`` holds (the sweep file's
-    results) and handing each new result to ``save``."""
-    results = []
-    for draft_max in DRAFT_MAX_VALUES:
-        result = DraftMeasured(draft_max)
-        results.append(result)
-        name = f"{label}, draft_max {draft_max}"
-        if isinstance(saved.get(name), list):
-            result.tps, result.low, result.high = saved[name]
-            say(f"  {name}: {result.tps:.1f} t/s served (measured before)")
-            continue
-        if time.monotonic() > deadline:
-            result.skipped = TIME_BOUND_NOTE
-            continue
-        say(f"  {name}: measuring through llama-server")
-        try:
-            speeds = _served_speeds(draft_server_data(data, draft_max), run)
-        except (ValueError, KeyError) as problem:
-            result.skipped = f"llama-server failed: {problem}"
-            continue
-        result.tps = statistics.median(speeds)
-        result.low, result.high = min(speeds), max(speeds)
-        saved[name] = [result.tps, result.low, result.high]
-        save(saved)
-    return results

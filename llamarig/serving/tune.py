@@ -2,7 +2,7 @@
 and write the fastest to a tuned-settings file beside the inventory.
 
 The sweep is a bounded list of llama-bench runs, each a decode (the speed a chat user feels)
-and a prompt of PROMPT_TOKENS (what the micro-batch size changes):
+and a prompt (what the micro-batch size changes) of a candidate (llama_bench.py):
 split modes, the planned ratio and its neighbours and micro-batch sizes on a GPU rig; threads
 and micro-batch sizes on a CPU rig. Each candidate is planned first (the memory plan refuses
 what would not fit) and measured once per run of the command; results are kept in a sweep file
@@ -11,41 +11,54 @@ llama-bench run far slower than the quickest is cut on the host and kept as slow
 winner is the fastest decode; among decodes within ``KEEP_WITHIN`` of it, the fastest prompt
 processing; the planned configuration stays unless clearly beaten, so a re-run does not flip
 between equals. With speculative decoding (``server.spec.type``), each draft length is then
-served by a temporary llama-server on loopback, since llama-bench does not draft.
+served by a temporary llama-server on loopback, since llama-bench does not draft
+(draft_tune.py); `--for throughput` runs throughput.py's load sweep instead. The sweep file and
+the tuned file are tuned_files.py's.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 import subprocess
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
 
 from llamarig.config import HostConfig
-from llamarig.config.inventory import load_inventory, tuned_path
+from llamarig.config.inventory import tuned_path
 from llamarig.config.lock import resolved
 from llamarig.model.catalog import is_router
 from llamarig.model.reference import HubError
 from llamarig.onhost import hostpaths
 from llamarig.planner import render
 from llamarig.planner.gather import plan_for, run_on_host, shell_reader
-from llamarig.planner.plan import HostPlan, plan_host, roofline_tps
-from llamarig.serving import throughput
+from llamarig.planner.host_plan import HostPlan
+from llamarig.planner.plan import plan_host, roofline_tps
+from llamarig.serving import draft_tune, throughput
+from llamarig.serving.choice import kept_or_best, table_row, tuned_note
+from llamarig.serving.draft_tune import DraftMeasured, draft_table, draft_winner
+from llamarig.serving.llama_bench import (
+    Candidate,
+    Measured,
+    bench_command,
+    bench_speeds,
+    candidates,
+    planned_candidate,
+    with_candidate,
+)
+from llamarig.serving.tuned_files import (
+    overridden,
+    read_sweep,
+    save_sweep,
+    write_tuned,
+    write_tuned_throughput,
+)
 from llamarig.tables.text import printable
 
-UBATCH_SIZES = (256, 512, 1024)
-RATIO_STEP = 0.05
-DECODE_TOKENS = 64
-PROMPT_TOKENS = 512
-REPETITIONS = 3
 # llama-bench's spread between repetitions is about 1%: a candidate must beat the planned
 # configuration by more than this to replace it, so a re-run does not flip between equals.
 KEEP_WITHIN = 0.02
@@ -63,144 +76,6 @@ class TuneError(Exception):
     """Why tune refuses to run, worded for the user."""
 
 
-@dataclass(frozen=True)
-class Candidate:
-    split_mode: str
-    tensor_split: tuple[float, ...] | None
-    ubatch: int
-    threads: int | None
-
-    @property
-    def label(self) -> str:
-        parts = [self.split_mode]
-        if self.tensor_split:
-            parts.append(":".join(f"{share:g}" for share in self.tensor_split))
-        parts.append(f"ub {self.ubatch}")
-        if self.threads:
-            parts.append(f"t {self.threads}")
-        return " ".join(parts)
-
-    def settings(self) -> dict:
-        """The server settings this candidate stands for, as the tuned file writes them."""
-        return {
-            "split_mode": self.split_mode,
-            "tensor_split": list(self.tensor_split) if self.tensor_split else None,
-            "ubatch": self.ubatch,
-            "threads": self.threads,
-        }
-
-
-def planned_candidate(plan: HostPlan) -> Candidate:
-    server = plan.resolved["server"]
-    split = server["tensor_split"]
-    return Candidate(
-        server["split_mode"],
-        tuple(round(share, 3) for share in split) if isinstance(split, list) else None,
-        server["ubatch"],
-        server["threads"],
-    )
-
-
-def _neighbour_ratios(ratio: tuple[float, ...]) -> list[tuple[float, ...]]:
-    """The ratio and, for two GPUs, a step to either side (shares of the first card)."""
-    if len(ratio) != 2:
-        return [ratio]
-    first = ratio[0]
-    shares = [first - RATIO_STEP, first, first + RATIO_STEP]
-    return [(round(s, 3), round(1 - s, 3)) for s in shares if 0 < s < 1]
-
-
-def candidates(plan: HostPlan, cpu_count: int) -> list[Candidate]:
-    """The configurations worth measuring on this rig, the planned one first."""
-    data = plan.resolved
-    server = data["server"]
-    planned = planned_candidate(plan)
-    ubatches = sorted({u for u in (*UBATCH_SIZES, server["ubatch"]) if u <= server["batch"]})
-    found = [planned]
-    if data["llama_cpp"]["backend"] != "cuda":
-        threads = sorted({t for t in (cpu_count // 2, cpu_count, server["threads"]) if t})
-        found += [Candidate("none", None, u, t) for t in threads for u in ubatches]
-    else:
-        ratio = planned.tensor_split or (
-            tuple(round(s, 3) for s in plan.memory.ratio) if plan.memory else None
-        )
-        if len(plan.used_gpus) >= 2 and ratio:
-            splits = [(mode, r) for mode in ("tensor", "layer") for r in _neighbour_ratios(ratio)]
-        else:
-            splits = [(planned.split_mode, planned.tensor_split)]
-        found += [Candidate(m, r, u, planned.threads) for m, r in splits for u in ubatches]
-    return list(dict.fromkeys(found))
-
-
-def with_candidate(data: dict, candidate: Candidate) -> dict:
-    changed = copy.deepcopy(data)
-    changed["server"].update(candidate.settings())
-    return changed
-
-
-def bench_command(plan: HostPlan, candidate: Candidate) -> str:
-    """The llama-bench command line for one candidate (decode only, JSON on stdout)."""
-    data = with_candidate(plan.resolved, candidate)
-    server = data["server"]
-    paths = render.layout(data)
-    flash_attn = "on" if candidate.split_mode == "tensor" else server["flash_attn"]
-    args = [
-        f"{paths['current']}/bin/llama-bench",
-        "-m",
-        paths["model"],
-        "-p",
-        str(PROMPT_TOKENS),
-        "-n",
-        str(DECODE_TOKENS),
-        "-r",
-        str(REPETITIONS),
-        "-o",
-        "json",
-        "-b",
-        str(server["batch"]),
-        "-ub",
-        str(candidate.ubatch),
-        "-ctk",
-        server["cache_type_k"],
-        "-ctv",
-        server["cache_type_v"],
-        "-fa",
-        flash_attn,
-    ]
-    if data["llama_cpp"]["backend"] == "cuda":
-        layers = server["gpu_layers"]
-        devices = render.cuda_device_names(data["gpus"])[: len(plan.used_gpus) or 1]
-        args += ["-ngl", str(layers if isinstance(layers, int) else 999), "-sm"]
-        args.append(candidate.split_mode)
-        if candidate.split_mode == "none":
-            devices = devices[:1]
-        args += ["-dev", "/".join(devices)]
-        if candidate.tensor_split and candidate.split_mode != "none":
-            args += ["-ts", "/".join(f"{share:g}" for share in candidate.tensor_split)]
-    if candidate.threads:
-        args += ["-t", str(candidate.threads)]
-    return render.shell_join(args)
-
-
-def bench_speeds(output: str) -> tuple[float, float, float]:
-    """Decode tokens/s, its spread and prompt tokens/s from llama-bench's JSON output."""
-    rows = json.loads(output)
-    decode = [row for row in rows if row.get("n_gen")]
-    prompt = [row for row in rows if row.get("n_prompt") and not row.get("n_gen")]
-    if not decode or not prompt:
-        raise ValueError("llama-bench printed no decode and prompt results")
-    return float(decode[0]["avg_ts"]), float(decode[0]["stddev_ts"]), float(prompt[0]["avg_ts"])
-
-
-@dataclass
-class Measured:
-    candidate: Candidate
-    tps: float | None = None  # decode
-    spread: float | None = None
-    prompt_tps: float | None = None
-    skipped: str = ""  # why it was not measured: does not fit, failed, time bound
-
-
 def winner(results: list[Measured], planned: Candidate) -> Measured:
     """The fastest decode; among the decodes equal to it the fastest prompt; the planned
     configuration whenever it is among those and within KEEP_WITHIN of that prompt speed."""
@@ -216,51 +91,22 @@ def winner(results: list[Measured], planned: Candidate) -> Measured:
         if r.tps >= fastest.tps * (1 - KEEP_WITHIN)
         or r.tps + r.spread >= fastest.tps - fastest.spread
     ]
-    best = max(equals, key=lambda r: r.prompt_tps)
-    current = next((r for r in equals if r.candidate == planned), None)
-    if current and current.prompt_tps >= best.prompt_tps * (1 - KEEP_WITHIN):
-        return current
-    return best
-
-
-def _note(result: Measured | throughput.DraftMeasured, chosen: object) -> str:
-    """A table row's note: why it was not measured, or that it is the one tuned."""
-    return result.skipped or ("<- tuned" if result is chosen else "")
+    return kept_or_best(
+        equals, lambda r: r.prompt_tps, lambda r: r.candidate == planned, keep_within=KEEP_WITHIN
+    )
 
 
 def table(results: list[Measured], chosen: Measured, roofline: float | None) -> str:
     lines = [f"{'configuration':<32}{'decode t/s':>11}{'+-':>7}{'prompt t/s':>12}  note"]
     for result in results:
-        speed = (
-            f"{result.tps:>11.1f}{result.spread:>7.1f}{result.prompt_tps:>12.1f}"
-            if result.tps
-            else f"{'-':>11}{'':>7}{'-':>12}"
-        )
-        note = _note(result, chosen)
+        cells = f"{result.tps:>11.1f}{result.spread:>7.1f}{result.prompt_tps:>12.1f}"
+        note = tuned_note(result.skipped, result is chosen)
         if result.tps and roofline:
             note = f"{result.tps / roofline:.0%} of roofline {note}".strip()
-        lines.append(f"{result.candidate.label:<32}{speed}  {note}")
+        blank = f"{'-':>11}{'':>7}{'-':>12}"
+        lines.append(table_row(result.candidate.label, cells if result.tps else None, blank, note))
     if roofline:
         lines.append(f"memory-bandwidth roofline of the planned split: {roofline:.1f} t/s")
-    return "\n".join(lines)
-
-
-def draft_table(
-    results: list[throughput.DraftMeasured], chosen: throughput.DraftMeasured | None, types: str
-) -> str:
-    lines = [
-        f"served decode with --spec-type {types} ({len(throughput.DRAFT_PROMPTS)} prompts, "
-        f"{throughput.DRAFT_TOKENS} tokens, greedy; median and range):",
-        f"{'draft_max':<32}{'decode t/s':>11}{'range':>19}  note",
-    ]
-    for result in results:
-        speed = (
-            f"{result.tps:>11.1f}{f'{result.low:.1f}-{result.high:.1f}':>19}"
-            if result.tps
-            else f"{'-':>11}{'':>19}"
-        )
-        note = _note(result, chosen)
-        lines.append(f"{result.draft_max:<32}{speed}  {note}")
     return "\n".join(lines)
 
 
@@ -269,8 +115,8 @@ def plot(
     chosen: Measured,
     roofline: float | None,
     path: Path,
-    drafts: list[throughput.DraftMeasured] = (),
-    draft: throughput.DraftMeasured | None = None,
+    drafts: list[DraftMeasured] = (),
+    draft: DraftMeasured | None = None,
 ) -> bool:
     """A bar chart of the sweep with the roofline, and of the served draft lengths beside it;
     False when matplotlib is not installed."""
@@ -310,39 +156,6 @@ def plot(
     return True
 
 
-def write_tuned(
-    path: Path,
-    host: str,
-    chosen: Measured,
-    identity: str,
-    draft: throughput.DraftMeasured | None = None,
-) -> None:
-    settings = {k: v for k, v in chosen.candidate.settings().items() if v is not None}
-    served = ""
-    if draft:
-        settings["spec"] = {"draft_max": draft.draft_max}
-        served = (
-            f"# draft_max {draft.draft_max} served at {draft.tps:.1f} t/s (median of "
-            f"{len(throughput.DRAFT_PROMPTS)} greedy prompts of "
-            f"{throughput.DRAFT_TOKENS} tokens).\n"
-        )
-    header = (
-        f"# Written by `llamarig tune` for {host} on {datetime.now(UTC):%Y-%m-%d %H:%M} UTC:\n"
-        f"# {chosen.candidate.label} decoded at {chosen.tps:.1f} t/s, prompt at "
-        f"{chosen.prompt_tps:.1f} t/s (llama-bench -n {DECODE_TOKENS} -p {PROMPT_TOKENS}, "
-        f"{REPETITIONS} repetitions; {identity}).\n"
-        f"{served}"
-    )
-    _write_tuned_file(path, header, settings)
-
-
-def _write_tuned_file(path: Path, header: str, settings: dict) -> None:
-    """A tuned file: what was measured as comment lines, then the settings under `server:`."""
-    note = "# The loader merges it under the host's own settings; commit it like any other.\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(header + note + yaml.safe_dump({"server": settings}, sort_keys=False))
-
-
 def sweep(
     plan: HostPlan,
     header_inputs: dict,
@@ -355,7 +168,7 @@ def sweep(
 ) -> list[Measured]:
     """Plan and measure every candidate until ``deadline`` (time.monotonic), reusing what
     ``sweep_file`` holds for the same build and model (``identity``)."""
-    saved = _saved(sweep_file, identity)
+    saved = read_sweep(sweep_file, identity)
     results = []
     quickest = None  # seconds of the quickest run so far
     for candidate in candidates(plan, cpu_count):
@@ -393,7 +206,7 @@ def sweep(
             else:
                 result.skipped = f"cut after {limit} s (the quickest run took {quickest:.0f} s)"
                 saved[candidate.label] = result.skipped
-                _save(sweep_file, identity, saved)
+                save_sweep(sweep_file, identity, saved)
             continue
         try:
             if status:
@@ -404,36 +217,8 @@ def sweep(
             continue
         quickest = seconds if quickest is None else min(quickest, seconds)
         saved[candidate.label] = [result.tps, result.spread, result.prompt_tps]
-        _save(sweep_file, identity, saved)
+        save_sweep(sweep_file, identity, saved)
     return results
-
-
-def _saved(sweep_file: Path, identity: str) -> dict:
-    """What the sweep file holds for this build and model (empty for another): each result
-    three numbers, or why a run was cut. The file is only a cache: one that cannot be read, or
-    an entry of another shape (a damaged or edited file), is measured afresh."""
-    try:
-        document = json.loads(sweep_file.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(document, dict) or document.get("identity") != identity:
-        return {}
-    results = document.get("results")
-    if not isinstance(results, dict):
-        return {}
-    return {key: value for key, value in results.items() if _result_shape(value)}
-
-
-def _result_shape(value: object) -> bool:
-    numbers = isinstance(value, list) and len(value) == 3
-    return isinstance(value, str) or (
-        numbers and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
-    )
-
-
-def _save(sweep_file: Path, identity: str, saved: dict) -> None:
-    sweep_file.parent.mkdir(parents=True, exist_ok=True)
-    sweep_file.write_text(json.dumps({"identity": identity, "results": saved}, indent=1))
 
 
 def draft_sweep(
@@ -444,33 +229,18 @@ def draft_sweep(
     identity: str,
     deadline: float,
     say: Callable[[str], None],
-) -> list[throughput.DraftMeasured]:
-    """Each draft length served with ``chosen`` (``throughput.draft_sweep``) until
+) -> list[DraftMeasured]:
+    """Each draft length served with ``chosen`` (``draft_tune.draft_sweep``) until
     ``deadline``, reusing what the sweep file holds."""
-    return throughput.draft_sweep(
+    return draft_tune.draft_sweep(
         with_candidate(plan.resolved, chosen),
         chosen.label,
         run,
-        _saved(sweep_file, identity),
-        lambda saved: _save(sweep_file, identity, saved),
+        read_sweep(sweep_file, identity),
+        lambda saved: save_sweep(sweep_file, identity, saved),
         deadline,
         say,
     )
-
-
-def draft_winner(
-    results: list[throughput.DraftMeasured], planned: int | None
-) -> throughput.DraftMeasured | None:
-    """The fastest draft length; the planned one while within KEEP_WITHIN of it; None when
-    none was measured."""
-    measured = [r for r in results if r.tps]
-    if not measured:
-        return None
-    fastest = max(measured, key=lambda r: r.tps)
-    current = next((r for r in measured if r.draft_max == planned), None)
-    if current and current.tps >= fastest.tps * (1 - KEEP_WITHIN):
-        return current
-    return fastest
 
 
 def _slots_busy(data: dict, run: throughput.Run) -> bool | None:
@@ -511,31 +281,6 @@ def _service_stopped(data: dict, run: throughput.Run, force: bool, say: Callable
             run(f"systemctl start -- {unit}", 120)
 
 
-def write_tuned_throughput(
-    path: Path, host: str, chosen: throughput.LoadMeasured, bound: float, identity: str
-) -> None:
-    """Adds the load settings to the host's tuned file, keeping what an earlier tune for
-    decode wrote there."""
-    settings = {}
-    if path.is_file():
-        settings = (yaml.safe_load(path.read_text()) or {}).get("server") or {}
-    load_settings = chosen.candidate.settings()
-    # Drafting on again (or never varied) drops an earlier "off"; a decode draft_max stays.
-    spec = {k: v for k, v in settings.pop("spec", {}).items() if k != "type"}
-    spec |= load_settings.pop("spec", {})
-    settings |= load_settings | ({"spec": spec} if spec else {})
-    header = (
-        f"# Written by `llamarig tune --for throughput` for {host} on "
-        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC:\n"
-        f"# {chosen.candidate.label} served {chosen.tps:.1f} tokens/s with "
-        f"{chosen.candidate.parallel} client(s) at once ({throughput.LOAD_TOKENS} tokens each, "
-        f"median of {throughput.ROUNDS} rounds), gaps between tokens p50 "
-        f"{chosen.gap_p50_ms:.1f} ms, p95 {chosen.gap_p95_ms:.1f} ms (bound {bound:.1f} ms; "
-        f"{identity}).\n"
-    )
-    _write_tuned_file(path, header, settings)
-
-
 def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) -> Path:
     """The load sweep of `throughput` on ``plan``'s host; writes and returns the tuned file."""
     tuned_file, sweep_file, identity, inventory = files
@@ -559,8 +304,8 @@ def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) ->
         run,
         fitting_start,
         stop,
-        _saved(sweep_file, identity),
-        lambda saved: _save(sweep_file, identity, saved),
+        read_sweep(sweep_file, identity),
+        lambda saved: save_sweep(sweep_file, identity, saved),
         deadline,
         say,
         data["tune"]["max_p95_ms"],
@@ -582,34 +327,6 @@ def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) ->
     for line in overridden(inventory, plan.host, chosen.candidate.settings()):
         say(line)
     return tuned_file
-
-
-def overridden(inventory: Path, host: str, settings: dict) -> list[str]:
-    """The tuned ``settings`` that the host's own settings replace (they win over a tuned
-    file), each naming the file that sets it."""
-    loaded = load_inventory(inventory).hosts[host]
-    lines = []
-    for path, value in _leaves(settings, ("server",)):
-        served = loaded.data
-        for key in path:
-            served = served[key]
-        if served != value:
-            lines.append(
-                f"{host}: {'.'.join(path)} is {served!r} in {loaded.origins[path]}, which "
-                f"wins over the tuned {value!r}: remove it there to serve the tuned value"
-            )
-    return lines
-
-
-def _leaves(settings: dict, prefix: tuple) -> list[tuple[tuple, object]]:
-    """(key path, value) of every value of nested ``settings`` that is not a mapping."""
-    found = []
-    for key, value in settings.items():
-        if isinstance(value, dict):
-            found += _leaves(value, (*prefix, key))
-        else:
-            found.append(((*prefix, key), value))
-    return found
 
 
 # How long the host has to run `true` before tune says it does not answer.
