@@ -77,7 +77,11 @@ def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered]]:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    plans = {name: host_plan for name, (host_plan, _) in _planned(args).items()}
+    planned = _planned(args)
+    plans = {name: host_plan for name, (host_plan, _) in planned.items()}
+    for name, (_, gathered) in planned.items():  # what the host told that the plan set aside
+        for warning in gathered.warnings:
+            print(f"{name}: {printable(warning)}", file=sys.stderr)
     if args.json:
         print(json.dumps({"hosts": {n: p.to_json() for n, p in plans.items()}}, indent=2))
     else:

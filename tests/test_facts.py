@@ -18,7 +18,7 @@ from llamarig.facts.build import BuildDirectories, MissingCommands
 from llamarig.facts.cache import Batch, parse_one
 from llamarig.facts.driver import FirmwareBoot
 from llamarig.facts.files import FileHead, FileState, JsonFile
-from llamarig.facts.gpu import NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.facts.gpu import HostOutputError, NvidiaPciDevices, NvidiaSmiGpus
 from llamarig.facts.server import ServerProbe
 from llamarig.facts.systemd import UnitState
 from llamarig.onhost.hostpaths import BUILD_COMPLETE_MARKER, CURL_AUTH
@@ -322,3 +322,20 @@ def test_apt_lists_age_from_the_stamp():
     assert "update-success-stamp" in fact.command()
     assert fact.process(["42"]) == 42
     assert fact.process([]) is None
+
+
+@pytest.mark.parametrize(
+    "fact, line, said",
+    [
+        (NvidiaSmiGpus, "0, 00000000:01:00.0, RTX 3090, [N/A], 8.6, 4, 16, 580.95.05", "[N/A]"),
+        (NvidiaSmiGpus, "0, 00000000:01:00.0, RTX, 3090, 24576, 8.6, 4, 16, 580.95.05", "9 "),
+        (NvidiaSmiGpus, "0, 0;reboot, RTX 3090, 24576, 8.6, 4, 16, 580.95.05", "0;reboot"),
+        (NvidiaSmiGpus, "\x1b[2J, 00000000:01:00.0, RTX 3090, 24576, 8.6, 4, 16, 5", "\\x1b[2J"),
+        (NvidiaPciDevices, "0000:01:00.0 0x2204 0x030000", "3 fields"),
+        (NvidiaPciDevices, "0000:01:00.0\x1b[2J 0x2204 0x030000 nvidia", "\\x1b[2J"),
+    ],
+)
+def test_gpu_facts_refuse_what_is_not_a_gpu_naming_it_escaped(fact, line, said):
+    with pytest.raises(HostOutputError) as refused:
+        fact().process([line])
+    assert said in str(refused.value) and "\x1b" not in str(refused.value)

@@ -329,3 +329,44 @@ all:
     status, _, err = run_cli(["complete"], box, monkeypatch, capsys)
     assert status == 2 and "worker is an rpc-worker" in err, err
     assert box.calls == []
+
+
+# --- the planner reads the same facts as hostile (plan --probe, the deploy, verify, tune) ------
+
+
+def plan_probe(smi: str, tmp_path, monkeypatch, capsys, pci: str = "") -> tuple[int, str, str]:
+    inventory = tmp_path / "rig.yml"
+    inventory.write_text(INVENTORY)
+    monkeypatch.setenv("RIG_INVENTORY", str(inventory))
+    box = Box({"nvidia-smi --query-gpu": smi, "-release": UBUNTU, "/sys/bus/pci": pci})
+    status, out, err = run_cli(["plan", "--probe"], box, monkeypatch, capsys)
+    assert ESC not in out + err, ascii(out + err)
+    return status, out, err
+
+
+@pytest.mark.parametrize(
+    "smi, said",
+    [
+        (SMI_3090.replace("24576", "[N/A]"), "nvidia-smi's memory.total is '[N/A]', not a number"),
+        (
+            SMI_3090.replace("RTX 3090", "RTX 3090, Ti"),
+            "nvidia-smi --query-gpu printed 9 comma-separated",
+        ),
+        (SMI_3090.replace("00000000:01:00.0", "0;reboot"), "nvidia-smi's pci.bus_id is '0;reboot'"),
+    ],
+)
+def test_plan_probe_sets_aside_what_nvidia_smi_printed_that_is_not_a_gpu(
+    smi, said, tmp_path, monkeypatch, capsys
+):
+    # No traceback: the plan stands on the PCI ids (none here) and the declared GPUs, and says
+    # why it did not use nvidia-smi.
+    status, out, err = plan_probe(smi, tmp_path, monkeypatch, capsys)
+    assert status in (0, 3), err  # fits, or provisional without the model's header
+    assert f"rig1: nvidia-smi not used: {said}" in err, err
+
+
+def test_plan_probe_shows_a_gpu_name_with_an_escape_sequence_escaped(tmp_path, monkeypatch, capsys):
+    smi = SMI_3090.replace("RTX 3090", "RTX 3090\x1b[2J\x1b]0;owned\x07")
+    status, out, err = plan_probe(smi, tmp_path, monkeypatch, capsys)
+    assert "RTX 3090\\x1b[2J\\x1b]0;owned\\x07" in out + err, out + err
+    assert "\x07" not in out + err

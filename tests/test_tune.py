@@ -22,6 +22,7 @@ from llamarig.serving.draft_tune import (
     DRAFT_PROMPTS,
     DraftMeasured,
     draft_server_data,
+    draft_sweep,
     draft_winner,
 )
 from llamarig.serving.llama_bench import (
@@ -38,11 +39,10 @@ from llamarig.serving.tune import (
     CUT_AFTER,
     CUT_FLOOR_SECONDS,
     RUN_SECONDS,
-    draft_sweep,
     sweep,
     winner,
 )
-from llamarig.serving.tuned_files import write_tuned
+from llamarig.serving.tuned_files import SweepRecord, write_tuned
 from llamarig.tables.hardware import memory_bandwidth_gbs
 from tests.conftest import PROJECT
 from tests.ggufmodels import write_llama
@@ -152,7 +152,7 @@ def test_the_sweep_stops_at_its_deadline_and_resumes(cpu_plan, tmp_path):
         return 0, BENCH_JSON, ""
 
     sweep_file = tmp_path / ".sandbox.sweep.json"
-    args = (cpu_plan, {"header": None}, run, 2, sweep_file, "build x, model y")
+    args = (cpu_plan, {"header": None}, run, 2, SweepRecord(sweep_file, "build x, model y"))
     first = sweep(*args, deadline=time.monotonic() - 1, say=lambda line: None)
     assert not commands and all("time bound" in r.skipped for r in first)
     second = sweep(*args, deadline=time.monotonic() + 600, say=lambda line: None)
@@ -162,7 +162,7 @@ def test_the_sweep_stops_at_its_deadline_and_resumes(cpu_plan, tmp_path):
     assert len(commands) == len(second), "measured again instead of resuming"
     assert [r.tps for r in again] == [r.tps for r in second]
     other_build = sweep(
-        cpu_plan, {"header": None}, run, 2, sweep_file, "build z, model y",
+        cpu_plan, {"header": None}, run, 2, SweepRecord(sweep_file, "build z, model y"),
         deadline=time.monotonic() + 600, say=lambda line: None,
     )  # fmt: skip
     assert len(commands) == 2 * len(second) and len(other_build) == len(second)
@@ -194,7 +194,8 @@ def test_a_run_far_slower_than_the_quickest_is_cut_on_the_host(cpu_plan, tmp_pat
         clock.now += min(takes, limit)
         return (124, "", "") if takes > limit else (0, BENCH_JSON, "")
 
-    args = (cpu_plan, {"header": None}, run, 2, tmp_path / "sweep.json", "build x, model y")
+    record = SweepRecord(tmp_path / "sweep.json", "build x, model y")
+    args = (cpu_plan, {"header": None}, run, 2, record)
     results = sweep(*args, deadline=clock.now + 3600, say=lambda line: None)
     cut = max(CUT_FLOOR_SECONDS, CUT_AFTER * 10)
     assert limits[0] == RUN_SECONDS and set(limits[1:]) == {cut}
@@ -210,8 +211,9 @@ def test_a_run_far_slower_than_the_quickest_is_cut_on_the_host(cpu_plan, tmp_pat
 
     # Near the deadline a run is bounded by what is left, and named a time bound, not slower.
     limits.clear()
+    other = SweepRecord(tmp_path / "other.json", "build x, model y")
     results = sweep(
-        cpu_plan, {"header": None}, run, 2, tmp_path / "other.json", "build x, model y",
+        cpu_plan, {"header": None}, run, 2, other,
         deadline=clock.now + 8, say=lambda line: None,
     )  # fmt: skip
     assert limits[0] == 8
@@ -341,30 +343,36 @@ class FakeHost:
         return 0, "", ""
 
 
+def drafts_of(plan, run, record: SweepRecord, deadline: float) -> list:
+    """The draft sweep as tune runs it: the planned settings served with each draft length,
+    resuming from ``record``."""
+    chosen = planned_candidate(plan)
+    data = with_candidate(plan.resolved, chosen)
+    quiet = lambda line: None  # noqa: E731
+    return draft_sweep(data, chosen.label, run, record.read(), record.save, deadline, quiet)
+
+
 def test_the_draft_sweep_serves_each_draft_max_stops_it_and_resumes(drafting_plan, tmp_path):
     host = FakeHost({1: [30, 50, 40], 2: [60, 44, 52], 3: [20, 21, 22], 4: [45, 45, 45]})
-    chosen, sweep_file = planned_candidate(drafting_plan), tmp_path / ".sandbox.sweep.json"
-    args = (drafting_plan, chosen, host.run, sweep_file, "build x, model y")
-    none = draft_sweep(*args, deadline=time.monotonic() - 1, say=lambda line: None)
+    record = SweepRecord(tmp_path / ".sandbox.sweep.json", "build x, model y")
+    none = drafts_of(drafting_plan, host.run, record, deadline=time.monotonic() - 1)
     assert not host.commands and all("time bound" in r.skipped for r in none)
-    results = draft_sweep(*args, deadline=time.monotonic() + 600, say=lambda line: None)
+    results = drafts_of(drafting_plan, host.run, record, deadline=time.monotonic() + 600)
     assert [(r.draft_max, r.tps, r.low, r.high) for r in results] == [
         (1, 40, 30, 50), (2, 52, 44, 60), (3, 21, 20, 22), (4, 45, 45, 45),
     ]  # fmt: skip
     assert host.stopped == [4001, 4002, 4003, 4004]
     assert sum("/completion" in c for c in host.commands) == len(DRAFT_PROMPTS) * 4
     assert draft_winner(results, None).draft_max == 2
-    again = draft_sweep(*args, deadline=time.monotonic() + 600, say=lambda line: None)
+    again = drafts_of(drafting_plan, host.run, record, deadline=time.monotonic() + 600)
     assert len(host.stopped) == 4, "served again instead of resuming"
     assert [r.tps for r in again] == [r.tps for r in results]
 
 
 def test_a_completion_cut_short_is_no_speed(drafting_plan, tmp_path):
     host = FakeHost({n: [30, 50, 40] for n in DRAFT_MAX_VALUES}, tokens=3)
-    results = draft_sweep(
-        drafting_plan, planned_candidate(drafting_plan), host.run, tmp_path / "s.json", "b, m",
-        deadline=time.monotonic() + 600, say=lambda line: None,
-    )  # fmt: skip
+    record = SweepRecord(tmp_path / "s.json", "b, m")
+    results = drafts_of(drafting_plan, host.run, record, deadline=time.monotonic() + 600)
     assert all(r.skipped == "llama-server failed: decoded 3 of 128 tokens" for r in results)
     assert host.stopped == [4001, 4002, 4003, 4004] and draft_winner(results, None) is None
 
@@ -380,10 +388,8 @@ def test_a_draft_server_that_does_not_start_is_stopped_and_reported(drafting_pla
             return 1, "", "error: unknown speculative type\n"
         return 0, "", ""
 
-    results = draft_sweep(
-        drafting_plan, planned_candidate(drafting_plan), run, tmp_path / "s.json", "b, m",
-        deadline=time.monotonic() + 600, say=lambda line: None,
-    )  # fmt: skip
+    record = SweepRecord(tmp_path / "s.json", "b, m")
+    results = drafts_of(drafting_plan, run, record, deadline=time.monotonic() + 600)
     assert all(r.skipped == "llama-server failed: error: unknown speculative type" for r in results)
     assert sum(c.startswith("kill 4001") for c in commands) == len(DRAFT_MAX_VALUES)
     assert draft_winner(results, None) is None
@@ -463,7 +469,7 @@ def test_a_damaged_sweep_file_is_measured_afresh(cpu_plan, tmp_path, text):
         return 0, BENCH_JSON, ""
 
     results = sweep(
-        cpu_plan, {"header": None}, run, 2, sweep_file, "build x, model y",
+        cpu_plan, {"header": None}, run, 2, SweepRecord(sweep_file, "build x, model y"),
         deadline=time.monotonic() + 600, say=lambda line: None,
     )  # fmt: skip
     assert len(commands) == len(results) and all(r.tps == 41.25 for r in results)

@@ -37,6 +37,7 @@ from llamarig.planner import render
 from llamarig.planner.gather import plan_for
 from llamarig.planner.host_plan import HostPlan
 from llamarig.tables.packages import BUILD_DEPENDENCIES, DKMS_SOURCES, build_tools
+from llamarig.tables.text import printable
 
 _rigs: dict[str, dict] = {}
 _plans: dict[str, HostPlan] = {}
@@ -70,7 +71,7 @@ def plan() -> HostPlan:
         except LockError as error:  # models.lock.yml: its message names the entry and the fix
             refuse([error.message])
         for warning in gathered.warnings:
-            host.noop(warning)
+            host.noop(printable(warning))
         _headers_read[host.name] = gathered.read, gathered.superseded
         if _plans[host.name].provisional:  # shown without -v: the unit may change later
             host.log_styled(_plans[host.name].provisional, fg="yellow", log_func=logger.warning)

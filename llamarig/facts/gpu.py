@@ -3,9 +3,21 @@ overheads measured on this host."""
 
 from __future__ import annotations
 
+import re
 import shlex
 
 from pyinfra.api import FactBase
+
+from llamarig.tables.text import printable
+
+# A PCI bus id as nvidia-smi (8-digit domain) and sysfs (4-digit) write it.
+BUS_ID = re.compile(r"(?:[0-9A-Fa-f]{4,8}:)?[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]")
+
+
+class HostOutputError(ValueError):
+    """What a host printed that a GPU fact cannot read (a field too many, `[N/A]` for a
+    number): the command and the field named, the value shown escaped. The planner falls back
+    from it as from a driver that does not answer; ``llamarig init`` names it and stops."""
 
 
 class NvidiaPciDevices(FactBase):
@@ -32,7 +44,15 @@ class NvidiaPciDevices(FactBase):
     def process(self, output):
         devices = []
         for line in output:
-            bus_id, device_id, device_class, driver = line.split()
+            fields = line.split()
+            if len(fields) != 4:
+                raise HostOutputError(
+                    f"the PCI device list (/sys/bus/pci) printed {len(fields)} fields, not 4 "
+                    f"(bus id, device id, class, driver): '{printable(line)}'"
+                )
+            bus_id, device_id, device_class, driver = fields
+            if not BUS_ID.fullmatch(bus_id):
+                raise HostOutputError(f"a PCI bus id is '{printable(bus_id)}'")
             devices.append(
                 {
                     "bus_id": bus_id,
@@ -79,8 +99,22 @@ class NvidiaSmiGpus(FactBase):
 
 
 def parse_nvidia_smi_line(line: str) -> dict:
+    """One GPU of nvidia-smi's CSV; a HostOutputError for a line that is not one (a comma in
+    a name splits it, `[N/A]` where a number belongs)."""
     values = [value.strip() for value in line.split(",")]
+    if len(values) != len(NVIDIA_SMI_FIELDS):
+        raise HostOutputError(
+            f"nvidia-smi --query-gpu printed {len(values)} comma-separated fields, not "
+            f"{len(NVIDIA_SMI_FIELDS)} (a comma in a GPU's name?): '{printable(line)}'"
+        )
     record = dict(zip(NVIDIA_SMI_FIELDS, values, strict=True))
+    for field in ("index", "memory.total"):
+        if not record[field].isdecimal() or not record[field].isascii():
+            raise HostOutputError(
+                f"nvidia-smi's {field} is '{printable(record[field])}', not a number"
+            )
+    if not BUS_ID.fullmatch(record["pci.bus_id"]):
+        raise HostOutputError(f"nvidia-smi's pci.bus_id is '{printable(record['pci.bus_id'])}'")
     return {
         "index": int(record["index"]),
         "bus_id": record["pci.bus_id"],

@@ -11,7 +11,12 @@ from llamarig.config import HostConfig
 from llamarig.config.lock import resolved
 from llamarig.config.ssh import SshTarget
 from llamarig.facts.cache import Reader
-from llamarig.facts.gpu import MeasuredOverheads, NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.facts.gpu import (
+    HostOutputError,
+    MeasuredOverheads,
+    NvidiaPciDevices,
+    NvidiaSmiGpus,
+)
 from llamarig.model.catalog import is_router, model_views
 from llamarig.onhost.hostpaths import OVERHEADS_DIR
 from llamarig.planner.header import FoundHeader, find_model_header, load_header
@@ -74,12 +79,14 @@ def gather(
     on the host. ``reader`` None: the host is not contacted (no GPUs, no host file)."""
     gathered = Gathered()
     if gpus and reader is not None:
-        smi = reader(NvidiaSmiGpus)
+        smi = _unless_unreadable(gathered, reader, NvidiaSmiGpus, "nvidia-smi")
         if smi:
             gathered.probed_gpus, gathered.gpu_source = smi, "nvidia-smi"
             gathered.driver_version = smi[0]["driver_version"]
         else:
-            found, gathered.warnings = gpus_from_pci(reader(NvidiaPciDevices) or [])
+            devices = _unless_unreadable(gathered, reader, NvidiaPciDevices, "the PCI ids")
+            found, warnings = gpus_from_pci(devices or [])
+            gathered.warnings += warnings
             gathered.probed_gpus, gathered.gpu_source = found or None, "PCI ids"
     if data["llama_cpp"]["backend"] == "cuda":
         if gpus and reader is not None:  # what earlier starts measured on these GPUs
@@ -89,6 +96,16 @@ def gather(
         else:
             find_model_header(gathered, data, reader)
     return gathered
+
+
+def _unless_unreadable(gathered: Gathered, reader: Reader, fact: type, what: str):
+    """``fact`` as the host tells it; None, with a warning, when the host printed what it
+    cannot be read from (the plan then stands on the next source, or on the rig data)."""
+    try:
+        return reader(fact)
+    except HostOutputError as error:
+        gathered.warnings.append(f"{what} not used: {error}")
+        return None
 
 
 def plan_for(

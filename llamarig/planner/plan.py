@@ -30,6 +30,7 @@ from llamarig.tables.hardware import (
     same_gpu_name,
 )
 from llamarig.tables.llama_args import CUDA_FA_KV_TYPES
+from llamarig.tables.text import printable
 
 # llama.cpp's default --spec-draft-n-max at the pinned commit (common/common.h).
 DEFAULT_DRAFT_MAX = 3
@@ -130,9 +131,10 @@ def reserve_mib(
 
 
 def compare_gpus(declared: list[dict], found: list[dict], where: str) -> list[str]:
-    """Differences between the declared GPUs and those found, in PCI bus order."""
+    """Differences between the declared GPUs and those found, in PCI bus order; what the host
+    printed is shown escaped."""
     if len(declared) != len(found):
-        names = ", ".join(gpu["name"] for gpu in found) or "none"
+        names = printable(", ".join(gpu["name"] for gpu in found) or "none")
         return [f"`gpus` declares {len(declared)} GPUs but {where} shows {len(found)}: {names}"]
     problems = []
     by_bus = (
@@ -159,7 +161,7 @@ def compare_gpus(declared: list[dict], found: list[dict], where: str) -> list[st
         if want.get("pci_bus_id") and have.get("bus_id"):
             if pci_sort_key(want["pci_bus_id"]) != pci_sort_key(have["bus_id"]):
                 problems.append(f"declared bus id {want['pci_bus_id']} is not present")
-    return problems
+    return [printable(problem) for problem in problems]
 
 
 def roofline_tps(plan: HostPlan) -> float | None:

@@ -38,9 +38,9 @@ from llamarig.planner import render
 from llamarig.planner.gather import plan_for, run_on_host, shell_reader
 from llamarig.planner.host_plan import HostPlan
 from llamarig.planner.plan import plan_host, roofline_tps
-from llamarig.serving import draft_tune, throughput
+from llamarig.serving import throughput
 from llamarig.serving.choice import kept_or_best, table_row, tuned_note
-from llamarig.serving.draft_tune import DraftMeasured, draft_table, draft_winner
+from llamarig.serving.draft_tune import DraftMeasured, draft_sweep, draft_table, draft_winner
 from llamarig.serving.llama_bench import (
     Candidate,
     Measured,
@@ -51,9 +51,8 @@ from llamarig.serving.llama_bench import (
     with_candidate,
 )
 from llamarig.serving.tuned_files import (
+    SweepRecord,
     overridden,
-    read_sweep,
-    save_sweep,
     write_tuned,
     write_tuned_throughput,
 )
@@ -161,14 +160,13 @@ def sweep(
     header_inputs: dict,
     run: Callable[[str, float], tuple[int, str, str]],
     cpu_count: int,
-    sweep_file: Path,
-    identity: str,
+    record: SweepRecord,
     deadline: float,
     say: Callable[[str], None],
 ) -> list[Measured]:
     """Plan and measure every candidate until ``deadline`` (time.monotonic), reusing what
-    ``sweep_file`` holds for the same build and model (``identity``)."""
-    saved = read_sweep(sweep_file, identity)
+    ``record`` holds for the same build and model."""
+    saved = record.read()
     results = []
     quickest = None  # seconds of the quickest run so far
     for candidate in candidates(plan, cpu_count):
@@ -206,7 +204,7 @@ def sweep(
             else:
                 result.skipped = f"cut after {limit} s (the quickest run took {quickest:.0f} s)"
                 saved[candidate.label] = result.skipped
-                save_sweep(sweep_file, identity, saved)
+                record.save(saved)
             continue
         try:
             if status:
@@ -217,30 +215,8 @@ def sweep(
             continue
         quickest = seconds if quickest is None else min(quickest, seconds)
         saved[candidate.label] = [result.tps, result.spread, result.prompt_tps]
-        save_sweep(sweep_file, identity, saved)
+        record.save(saved)
     return results
-
-
-def draft_sweep(
-    plan: HostPlan,
-    chosen: Candidate,
-    run: Callable[[str, float], tuple[int, str, str]],
-    sweep_file: Path,
-    identity: str,
-    deadline: float,
-    say: Callable[[str], None],
-) -> list[DraftMeasured]:
-    """Each draft length served with ``chosen`` (``draft_tune.draft_sweep``) until
-    ``deadline``, reusing what the sweep file holds."""
-    return draft_tune.draft_sweep(
-        with_candidate(plan.resolved, chosen),
-        chosen.label,
-        run,
-        read_sweep(sweep_file, identity),
-        lambda saved: save_sweep(sweep_file, identity, saved),
-        deadline,
-        say,
-    )
 
 
 def _slots_busy(data: dict, run: throughput.Run) -> bool | None:
@@ -283,7 +259,7 @@ def _service_stopped(data: dict, run: throughput.Run, force: bool, say: Callable
 
 def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) -> Path:
     """The load sweep of `throughput` on ``plan``'s host; writes and returns the tuned file."""
-    tuned_file, sweep_file, identity, inventory = files
+    tuned_file, record, inventory = files
     data = throughput.temporary_server(plan.resolved)  # the clients load it
     start, stop = throughput.starter(run)
     tuned_server = (yaml.safe_load(tuned_file.read_text()) or {}) if tuned_file.is_file() else {}
@@ -304,8 +280,8 @@ def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) ->
         run,
         fitting_start,
         stop,
-        read_sweep(sweep_file, identity),
-        lambda saved: save_sweep(sweep_file, identity, saved),
+        record.read(),
+        record.save,
         deadline,
         say,
         data["tune"]["max_p95_ms"],
@@ -322,7 +298,7 @@ def _tune_throughput(plan: HostPlan, inputs: dict, run, files, deadline, say) ->
             f"{plan.host}: no configuration was measured within the p95 gap bound of "
             f"{bound:.1f} ms (tune.max_p95_ms)"
         )
-    write_tuned_throughput(tuned_file, plan.host, chosen, bound, identity)
+    write_tuned_throughput(tuned_file, plan.host, chosen, bound, record.identity)
     say(f"{plan.host}: tuned settings written to {tuned_file} ({chosen.candidate.label})")
     for line in overridden(inventory, plan.host, chosen.candidate.settings()):
         say(line)
@@ -408,22 +384,25 @@ def tune_host(
         )
     cpu_count = int(run("nproc", 120)[1].strip() or 1)
     tuned_file = tuned_path(inventory, name)
-    sweep_file = tuned_file.with_name(f".{name}.sweep.json")
     identity = f"build {render.build_id(plan.resolved)}, model {render.layout(data)['model']}"
+    record = SweepRecord(tuned_file.with_name(f".{name}.sweep.json"), identity)
 
     say(f"{name}: tuning for {goal}, for at most {minutes:g} minutes ({identity})")
     deadline = time.monotonic() + minutes * 60
     if goal == "throughput":
         with _service_stopped(data, run, force, say):
-            files = (tuned_file, sweep_file, identity, inventory)
+            files = (tuned_file, record, inventory)
             return _tune_throughput(plan, inputs, run, files, deadline, say)
     spec = plan.resolved["server"]["spec"]
     drafts, draft = [], None
     with _service_stopped(data, run, force, say):
-        results = sweep(plan, inputs, run, cpu_count, sweep_file, identity, deadline, say)
+        results = sweep(plan, inputs, run, cpu_count, record, deadline, say)
         chosen = winner(results, planned_candidate(plan))
         if spec["type"]:
-            drafts = draft_sweep(plan, chosen.candidate, run, sweep_file, identity, deadline, say)
+            # Each draft length served with the chosen settings, resuming from the record.
+            data = with_candidate(plan.resolved, chosen.candidate)
+            label = chosen.candidate.label
+            drafts = draft_sweep(data, label, run, record.read(), record.save, deadline, say)
             draft = draft_winner(drafts, spec["draft_max"])
     roofline = roofline_tps(plan)
     say(table(results, chosen, roofline))

@@ -7,6 +7,7 @@ settings, with the tuned values that those settings override.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -18,20 +19,37 @@ from llamarig.serving.draft_tune import DraftMeasured
 from llamarig.serving.llama_bench import DECODE_TOKENS, PROMPT_TOKENS, REPETITIONS, Measured
 
 
-def read_sweep(sweep_file: Path, identity: str) -> dict:
-    """What the sweep file holds for this build and model (empty for another): each result
-    three numbers, or why a run was cut. The file is only a cache: one that cannot be read, or
-    an entry of another shape (a damaged or edited file), is measured afresh."""
-    try:
-        document = json.loads(sweep_file.read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(document, dict) or document.get("identity") != identity:
-        return {}
-    results = document.get("results")
-    if not isinstance(results, dict):
-        return {}
-    return {key: value for key, value in results.items() if _result_shape(value)}
+@dataclass(frozen=True)
+class SweepRecord:
+    """The sweep file (``path``) and the build and model its results hold for
+    (``identity``): what a sweep reads before measuring and saves after each result.
+
+    .. code:: python
+
+        SweepRecord(Path("inventory/tuned/.rig1.sweep.json"), "build 0c1e57098bba-f9a5, model m")
+    """
+
+    path: Path
+    identity: str
+
+    def read(self) -> dict:
+        """What the file holds for this build and model (empty for another): each result
+        three numbers, or why a run was cut. The file is only a cache: one that cannot be read,
+        or an entry of another shape (a damaged or edited file), is measured afresh."""
+        try:
+            document = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        if not isinstance(document, dict) or document.get("identity") != self.identity:
+            return {}
+        results = document.get("results")
+        if not isinstance(results, dict):
+            return {}
+        return {key: value for key, value in results.items() if _result_shape(value)}
+
+    def save(self, saved: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"identity": self.identity, "results": saved}, indent=1))
 
 
 def _result_shape(value: object) -> bool:
@@ -39,11 +57,6 @@ def _result_shape(value: object) -> bool:
     return isinstance(value, str) or (
         numbers and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
     )
-
-
-def save_sweep(sweep_file: Path, identity: str, saved: dict) -> None:
-    sweep_file.parent.mkdir(parents=True, exist_ok=True)
-    sweep_file.write_text(json.dumps({"identity": identity, "results": saved}, indent=1))
 
 
 def write_tuned(
