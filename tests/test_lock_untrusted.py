@@ -112,21 +112,20 @@ def forge(lock: Path, record: Callable[[dict], object] = lambda _: None, **entry
 
 
 def llamarig(inventory: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        offline([sys.executable, "-m", "llamarig.cli", *args]),
-        cwd=PROJECT,
-        env=pyinfra_env(
-            RIG_INVENTORY=str(inventory), LLAMARIG_HEADER_CACHE=str(inventory.parent / "cache")
-        ),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    return _offline(inventory, [sys.executable, "-m", "llamarig.cli", *args])
 
 
 def dry_deploy(inventory: Path) -> subprocess.CompletedProcess:
+    return _offline(
+        inventory, [sys.executable, "-m", "pyinfra", "-y", "inventory.py", "deploy.py", "--dry"]
+    )
+
+
+def _offline(inventory: Path, argv: list[str]) -> subprocess.CompletedProcess:
+    """``argv`` in the project, without a network, on ``inventory`` and a header cache of its
+    own."""
     return subprocess.run(
-        offline([sys.executable, "-m", "pyinfra", "-y", "inventory.py", "deploy.py", "--dry"]),
+        offline(argv),
         cwd=PROJECT,
         env=pyinfra_env(
             RIG_INVENTORY=str(inventory), LLAMARIG_HEADER_CACHE=str(inventory.parent / "cache")

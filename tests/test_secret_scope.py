@@ -218,6 +218,26 @@ def stage_operations(inventory: Path, monkeypatch, deploy) -> list[tuple[str, li
         ]
 
 
+def worker_rig(tmp_path: Path) -> Path:
+    """An inventory of @local as an RPC worker (a head that became one keeps no secret)."""
+    inventory = tmp_path / "rig.yml"
+    inventory.write_text(
+        "all:\n  hosts:\n    here:\n      ssh: {local: true}\n      role: rpc-worker\n"
+        f"      gpus: {GPUS}\n      rpc: {{host: 127.0.0.1}}\n"
+    )
+    return inventory
+
+
+def shell_commands(operations: list[tuple[str, list]]) -> list[str]:
+    """The shell commands of a stage's operations, in order."""
+    return [
+        text
+        for _, commands in operations
+        for command in commands
+        if (text := command_text(command)) is not None
+    ]
+
+
 @pytest.fixture
 def token_on_host(tmp_path, monkeypatch) -> Path:
     """The token's header file on @local: a path of this test's, not /etc/llamarig."""
@@ -287,17 +307,7 @@ class TestTheTokenOnTheHost:
     def test_an_rpc_worker_keeps_no_token(self, tmp_path, monkeypatch, token_on_host):
         token_on_host.parent.mkdir(mode=0o700)
         token_on_host.write_text(f"Authorization: Bearer {TOKEN}\n")
-        inventory = tmp_path / "rig.yml"
-        inventory.write_text(
-            "all:\n  hosts:\n    here:\n      ssh: {local: true}\n      role: rpc-worker\n"
-            f"      gpus: {GPUS}\n      rpc: {{host: 127.0.0.1}}\n"
-        )
-        listed = [
-            text
-            for _, commands in model_stage(inventory, monkeypatch)
-            for command in commands
-            if (text := command_text(command)) is not None
-        ]
+        listed = shell_commands(model_stage(worker_rig(tmp_path), monkeypatch))
         assert listed == [f"rm -f {shlex.quote(str(token_on_host))}"]
 
     def test_an_rpc_worker_keeps_no_api_key(self, tmp_path, monkeypatch):
@@ -310,17 +320,8 @@ class TestTheTokenOnTheHost:
             path.write_text("sk-left-behind\n")
         monkeypatch.setattr(hostpaths, "API_KEY_PATH", str(key))
         monkeypatch.setattr(hostpaths, "API_KEY_HEADER_PATH", str(header))
-        inventory = tmp_path / "rig.yml"
-        inventory.write_text(
-            "all:\n  hosts:\n    here:\n      ssh: {local: true}\n      role: rpc-worker\n"
-            f"      gpus: {GPUS}\n      rpc: {{host: 127.0.0.1}}\n"
-        )
-        listed = [
-            text
-            for _, commands in stage_operations(inventory, monkeypatch, lambda: server.deploy([]))
-            for command in commands
-            if (text := command_text(command)) is not None
-        ]
+        operations = stage_operations(worker_rig(tmp_path), monkeypatch, lambda: server.deploy([]))
+        listed = shell_commands(operations)
         assert listed == [f"rm -f {shlex.quote(str(path))}" for path in (key, header)]
 
 
