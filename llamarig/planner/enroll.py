@@ -20,12 +20,11 @@ import re
 from dataclasses import dataclass
 
 import yaml
-from pyinfra.api import FactBase
 from pyinfra.facts.server import LinuxDistribution
 
 from llamarig.facts.build import NvccVersion
 from llamarig.facts.cache import Reader
-from llamarig.facts.gpu import NVIDIA_SMI_FIELDS, NvidiaPciDevices, NvidiaSmiGpus
+from llamarig.facts.gpu import HostOutputError, NvidiaPciDevices, NvidiaSmiGpus
 from llamarig.tables import platform
 from llamarig.tables.hardware import gpus_from_pci, pci_sort_key
 from llamarig.tables.text import printable
@@ -36,7 +35,6 @@ class ProbeError(Exception):
 
 
 # The shapes of what goes into the entry (llamarig/schema.json's `gpus` items, tighter).
-BUS_ID = re.compile(r"^([0-9A-Fa-f]{4,8}:)?[0-9A-Fa-f]{2}:[0-9A-Fa-f]{2}\.[0-7]$")
 COMPUTE_CAPABILITY = re.compile(r"^[0-9]{1,2}\.[0-9]$")
 DRIVER_VERSION = re.compile(r"^[0-9]{1,4}(\.[0-9]{1,4}){1,3}$")
 PCI_DEVICE_ID = re.compile(r"^0x[0-9A-Fa-f]{4}$")
@@ -50,78 +48,20 @@ def _shown(value: object) -> str:
     return f"'{printable(value)}'"
 
 
-class CommandOutput(FactBase):
-    """The lines another fact's command prints, unparsed: read again when that fact's own
-    parser failed on them, so that the refusal can name the line and the field."""
-
-    default = list
-
-    def command(self, of: type) -> str:
-        return of().command()
-
-    def process(self, output):
-        return list(output)
-
-
-# Errors a fact's parser raises on output it does not expect (int("[N/A]"), a line with a
-# field too many, output that is not UTF-8, a release file named `..`).
+# Errors a fact's parser raises on output it does not expect beyond what the GPU facts name
+# themselves (HostOutputError): output that is not UTF-8, a release file named `..`.
 _PARSE_ERRORS = (ValueError, TypeError, KeyError, IndexError, AttributeError)
-
-
-def _smi_line_problem(number: int, line: str) -> str | None:
-    """What keeps one line of nvidia-smi's CSV from being a GPU's record, or None."""
-    values = [value.strip() for value in line.split(",")]
-    if len(values) != len(NVIDIA_SMI_FIELDS):
-        return (
-            f"nvidia-smi's GPU line {number} holds {len(values)} comma-separated fields, not "
-            f"{len(NVIDIA_SMI_FIELDS)}: one holds a comma (the GPU's name?), so no field can be "
-            f"told from the next: {_shown(line)}"
-        )
-    record = dict(zip(NVIDIA_SMI_FIELDS, values, strict=True))
-    for field in ("index", "memory.total"):
-        if not record[field].isdigit():
-            return (
-                f"nvidia-smi's GPU line {number}: {field} is {_shown(record[field])}, not a "
-                "number (where nvidia-smi does not know it, write the GPU's entry by hand: "
-                "docs/inventory.md, `gpus`)"
-            )
-    return None
-
-
-def _smi_problem(lines: list[str], error: Exception) -> str:
-    for number, line in enumerate((line for line in lines if line.strip()), 1):
-        problem = _smi_line_problem(number, line)
-        if problem:
-            return problem
-    return f"nvidia-smi's GPU list (--query-gpu) could not be read: {printable(error)}"
-
-
-def _pci_problem(lines: list[str], error: Exception) -> str:
-    for number, line in enumerate((line for line in lines if line.strip()), 1):
-        if len(line.split()) != 4:
-            return (
-                f"the PCI device list (/sys/bus/pci) line {number} holds {len(line.split())} "
-                f"fields, not 4 (bus id, device id, class, driver): {_shown(line)}"
-            )
-    return f"the PCI device list (/sys/bus/pci) could not be read: {printable(error)}"
-
-
-def _read_gpus(reader: Reader, fact: type, problem) -> list[dict] | None:
-    """``fact``'s GPUs, or a ProbeError naming the line its parser could not read."""
-    try:
-        return reader(fact)
-    except _PARSE_ERRORS as error:
-        try:
-            lines = reader(CommandOutput, of=fact)
-        except _PARSE_ERRORS:
-            lines = []
-        raise ProbeError(problem(lines or [], error)) from None
 
 
 def _read(reader: Reader, fact: type, what: str):
     """``fact`` read, or a ProbeError saying that ``what`` could not be read and why."""
     try:
         return reader(fact)
+    except HostOutputError as error:  # the GPU facts name the field and show it escaped
+        raise ProbeError(
+            f"{error} (where the box cannot tell, write the GPU's entry by hand: "
+            "docs/inventory.md, `gpus`)"
+        ) from None
     except (*_PARSE_ERRORS, OSError) as error:
         raise ProbeError(f"{what} could not be read: {printable(error)}") from None
 
@@ -151,12 +91,6 @@ def _checked_gpus(gpus: list[dict], source: str) -> list[dict]:
                 f"{where}: compute_cap {_shown(gpu.get('compute_capability'))} is not a compute "
                 "capability such as 8.6"
             )
-        if not BUS_ID.fullmatch(str(gpu.get("bus_id"))):
-            field = "pci.bus_id" if source == "nvidia-smi" else "bus id"
-            raise ProbeError(
-                f"{where}: {field} {_shown(gpu.get('bus_id'))} is not a PCI bus id such as "
-                "0000:01:00.0"
-            )
         driver = gpu.get("driver_version")
         if source == "nvidia-smi" and not DRIVER_VERSION.fullmatch(str(driver)):
             raise ProbeError(
@@ -167,18 +101,15 @@ def _checked_gpus(gpus: list[dict], source: str) -> list[dict]:
 
 
 def _pci_devices(reader: Reader) -> list[dict]:
-    """The NVIDIA devices on the PCI bus, each bus and device id of its shape."""
-    devices = _read_gpus(reader, NvidiaPciDevices, _pci_problem) or []
+    """The NVIDIA devices on the PCI bus, each device id of its shape (the fact checks the bus
+    ids)."""
+    devices = _read(reader, NvidiaPciDevices, "the PCI device list (/sys/bus/pci)") or []
     for number, device in enumerate(devices, 1):
-        for key, shape, what in (
-            ("bus_id", BUS_ID, "bus id"),
-            ("device_id", PCI_DEVICE_ID, "device id"),
-        ):
-            if not shape.fullmatch(str(device.get(key))):
-                raise ProbeError(
-                    f"the PCI device list (/sys/bus/pci), device {number}: {what} "
-                    f"{_shown(device.get(key))} is not a PCI {what}"
-                )
+        if not PCI_DEVICE_ID.fullmatch(str(device.get("device_id"))):
+            raise ProbeError(
+                f"the PCI device list (/sys/bus/pci), device {number}: device id "
+                f"{_shown(device.get('device_id'))} is not a PCI device id"
+            )
     return devices
 
 
@@ -196,7 +127,7 @@ def probe(reader: Reader) -> Probe:
     """What the box has, read through ``reader`` (pyinfra facts or ssh). Raises ProbeError
     when what it printed cannot go into an entry."""
     warnings: list[str] = []
-    smi = _read_gpus(reader, NvidiaSmiGpus, _smi_problem)
+    smi = _read(reader, NvidiaSmiGpus, "nvidia-smi's GPU list (--query-gpu)")
     if smi:
         gpus, source = _checked_gpus(smi, "nvidia-smi"), "nvidia-smi"
         driver = smi[0]["driver_version"]
