@@ -12,7 +12,7 @@ from llamarig import operations
 from llamarig.converge import stage
 from llamarig.model.catalog import served_data
 from llamarig.model.files import model_files
-from llamarig.model.reference import read_token, sends_hub_token
+from llamarig.model.reference import hub_token_file, read_token, sends_hub_token
 from llamarig.onhost import hostpaths
 
 # The token is uploaded into a directory only root may enter, so no one else can read it even
@@ -42,11 +42,7 @@ def _hub_token(served: list[dict]) -> None:
     model's one-model rig data) is a Hugging Face reference with a `token_file`; removed by
     the first converge whose models need it no more (then nothing), so no later request can
     find it. The models of a rig share one token_file (the loader checks)."""
-    token_files = [
-        model["model"]["token_file"]
-        for model in served
-        if model["model"]["hf"] and model["model"]["token_file"]
-    ]
+    token_files = [token for model in served if (token := hub_token_file(model["model"]))]
     if not token_files:
         operations.absent(
             name=f"No Hugging Face token on the host ({TOKEN_HEADER_FILE}: no model needs it)",

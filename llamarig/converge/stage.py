@@ -31,7 +31,7 @@ from llamarig.facts.server import RunningService
 from llamarig.facts.systemd import UnitState
 from llamarig.model.catalog import is_router, served_data
 from llamarig.model.files import model_files
-from llamarig.model.reference import HubError
+from llamarig.model.reference import HubError, hub_token_file
 from llamarig.onhost import checksums, deploy_record, hostpaths
 from llamarig.planner import render
 from llamarig.planner.gather import plan_for
@@ -144,9 +144,9 @@ def read_managed_state() -> None:
         requests.append((MissingCommands, {"commands": tools}))
     if data["cuda"]["source"] == "preinstalled":
         requests.append((File, {"path": render.nvcc_path(data)}))
+    served = served_data(rig()) if data["role"] != "rpc-worker" else []
     if data["role"] != "rpc-worker":
         records = checksums.RECORD_DIRECTORY
-        served = served_data(rig())
         requests += [
             (RecordedSha256, {"path": shard.dest, "records": records})
             for model in served
@@ -161,9 +161,7 @@ def read_managed_state() -> None:
         (File, {"path": hostpaths.API_KEY_HEADER_PATH}),
     ]
     # The Hub token likewise: written while a model needs it, else removed (tasks/model.py).
-    hub_token = data["role"] != "rpc-worker" and any(
-        model["model"]["hf"] and model["model"]["token_file"] for model in served_data(rig())
-    )
+    hub_token = any(hub_token_file(model["model"]) for model in served)
     requests.append((FileState if hub_token else File, {"path": hostpaths.HUB_TOKEN_HEADER_PATH}))
     if not is_router(data) and data["role"] != "rpc-worker":
         requests.append((File, {"path": paths["presets"]}))  # removed, if a router left it

@@ -164,6 +164,12 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     return scheme, (parts.hostname or "").lower(), parts.port or _DEFAULT_PORTS.get(scheme)
 
 
+def hub_token_file(model: Mapping) -> str | None:
+    """The token file whose token ``model`` (a model section) sends to its Hub: a Hugging Face
+    reference's `token_file`, else None."""
+    return model.get("token_file") if model.get("hf") else None
+
+
 def sends_hub_token(model: Mapping, url: str) -> bool:
     """Whether a request for ``url`` carries the Hub token of ``model`` (a model section, or
     one model of `models:`): only when the model is a Hugging Face reference with a
@@ -176,7 +182,7 @@ def sends_hub_token(model: Mapping, url: str) -> bool:
     request's own host: curl drops the header file's Authorization line on a redirect to
     another host, scheme or port (no ``--location-trusted``), urllib an unredirected header
     on every redirect."""
-    if not model.get("hf") or not model.get("token_file"):
+    if not hub_token_file(model):
         return False
     endpoint = (model.get("endpoint") or DEFAULT_ENDPOINT).rstrip("/")
     if not isinstance(url, str) or not url.startswith(f"{endpoint}/"):
