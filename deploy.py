@@ -8,6 +8,7 @@ The stages run in this order; each returns the operations whose change a later o
 from tasks import (
     cuda,
     driver,
+    gateway,
     kernel_modules,
     llama_cpp,
     model,
@@ -28,3 +29,4 @@ model_download = model.deploy()
 worker = rpc_worker.deploy(restart_on=[link])
 service = server.deploy(restart_on=[link, *model_download])
 verify.deploy(serving=[*worker, *service])
+gateway.deploy()

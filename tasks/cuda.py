@@ -13,6 +13,9 @@ from llamarig.tables.packages import cuda_toolkit_package
 
 @api.deploy("tasks/cuda.py")
 def deploy() -> None:
+    if stage.gateway_only():
+        host.noop("gateway: no CUDA toolkit here")
+        return
     rig = stage.rig()
     cuda = rig["cuda"]
     nvcc = render.nvcc_path(rig)

@@ -17,6 +17,9 @@ from llamarig.tables.packages import BUILD_DEPENDENCIES, build_tools
 @api.deploy("tasks/llama_cpp.py")
 def deploy() -> OperationMeta:
     """Returns the `current` link: when it changes, whatever runs the build must restart."""
+    if stage.gateway_only():
+        host.noop("gateway: no llama.cpp build here")
+        return None
     # The plan's data: CUDA architectures from the probed GPUs when none are declared.
     rig = stage.plan().resolved
     paths = render.layout(rig)

@@ -19,6 +19,15 @@ def deploy() -> None:
     distribution = known(LinuxDistribution)
     unsupported = os_problems(distribution, known(Arch))
     problems = list(unsupported)
+    if stage.gateway_only():
+        if unsupported:
+            stage.refuse(problems)
+        stage.read_gateway_state()
+        host.noop(
+            f"{distribution['release_meta'].get('PRETTY_NAME')}, kernel {known(KernelVersion)}; "
+            "a gateway alone (role: gateway): HAProxy only"
+        )
+        return
 
     pci_gpus = known(NvidiaPciDevices)
     driver_gpus = known(NvidiaSmiGpus)

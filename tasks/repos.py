@@ -10,6 +10,7 @@ from pyinfra.operations import server
 from pyinfra.operations.apt import APT_UPDATE_FILENAME
 
 from llamarig import operations
+from llamarig.config.gateways import runs_gateway
 from llamarig.converge import stage
 from llamarig.facts.apt import PackageVersions
 from llamarig.facts.cache import known
@@ -21,13 +22,15 @@ from llamarig.tables.platform import codename, is_debian, nvidia_repo_dir
 def deploy() -> None:
     rig = stage.rig()
     distribution = known(LinuxDistribution)
-    sources = [rig["driver"]["source"], rig["cuda"]["source"]]
+    # A gateway alone installs only HAProxy, from the distribution's own components.
+    gateway_only = stage.gateway_only()
+    sources = [] if gateway_only else [rig["driver"]["source"], rig["cuda"]["source"]]
     source_ops = []
     if "nvidia-repo" in sources:
         source_ops += _nvidia_repo(rig, distribution)
     if "distro" in sources and is_debian(distribution):
         source_ops.append(_debian_nonfree(distribution))
-    _apt_lists(rig, sources, source_ops)
+    _apt_lists(rig, sources, source_ops, gateway_only)
 
 
 def _nvidia_repo(rig: dict, distribution: dict) -> list[OperationMeta]:
@@ -94,11 +97,15 @@ def _debian_nonfree(distribution: dict) -> OperationMeta:
     )
 
 
-def _apt_lists(rig: dict, sources: list[str], source_ops: list[OperationMeta]) -> None:
+def _apt_lists(
+    rig: dict, sources: list[str], source_ops: list[OperationMeta], gateway_only: bool
+) -> None:
     """The apt lists updated when a source changed, else when older than an hour; nothing when
     nothing is installed with apt."""
     apt_needed = (
-        "nvidia-repo" in sources
+        gateway_only
+        or runs_gateway(rig)
+        or "nvidia-repo" in sources
         or "distro" in sources
         or rig["llama_cpp"]["build_dependencies"] == "apt"
     )

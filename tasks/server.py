@@ -5,7 +5,7 @@ workers before any (re)start; an RPC worker's unit is the rpc_worker stage's."""
 
 import os
 from collections.abc import Callable
-from io import StringIO
+from io import BytesIO, StringIO
 from typing import NamedTuple
 
 from pyinfra import api, host
@@ -16,6 +16,7 @@ from pyinfra.operations import systemd
 from pyinfra.operations.util import any_changed
 
 from llamarig import operations
+from llamarig.config.gateways import read_key
 from llamarig.converge import stage
 from llamarig.facts.cache import known
 from llamarig.facts.files import FileState
@@ -32,6 +33,9 @@ from llamarig.serving import answers
 def deploy(restart_on: list[OperationMeta]) -> list[OperationMeta]:
     """``restart_on``: the earlier operations whose change must restart the server (the build's
     link, the model's download). Returns what (re)starts the server, for the verify stage."""
+    if stage.gateway_only():
+        host.noop("gateway: no llama-server here")
+        return []
     # The plan's data: ctx and tensor_split resolved from the GPUs and the model header.
     rig = stage.plan().resolved
     if rig["role"] == "rpc-worker":
@@ -62,9 +66,11 @@ def _api_key(rig: dict) -> list[OperationMeta]:
     deploy's own checks send, when the rig has a key."""
     if not rig["server"]["api_key_file"]:
         return []
+    gateways = rig["server"].get("gateway_key_files", [])
     api_key = operations.secret_file(
-        name="API key (root only; the service reads it as a credential)",
-        src=os.path.expanduser(rig["server"]["api_key_file"]),
+        name="API key (root only; the service reads it as a credential)"
+        + (f", and the key of the {len(gateways)} gateway(s) in front" if gateways else ""),
+        src=BytesIO(_accepted_keys(rig["server"]["api_key_file"], gateways)),
         dest=hostpaths.API_KEY_PATH,
     )
     operations.curl_auth_header(
@@ -74,6 +80,15 @@ def _api_key(rig: dict) -> list[OperationMeta]:
         rewrite=api_key.will_change,
     )
     return [api_key]
+
+
+def _accepted_keys(own_key_file: str, gateway_key_files: list[str]) -> bytes:
+    """llama-server's key file: the rig's own key first (the line the deploy's checks send),
+    then each gateway's, one per line (it accepts any of them)."""
+    with open(os.path.expanduser(own_key_file), "rb") as handle:
+        keys = [handle.read().strip()]
+    keys += [read_key(path).encode() for path in gateway_key_files]
+    return b"\n".join(keys) + b"\n"
 
 
 def _put_launcher(rig: dict) -> OperationMeta:

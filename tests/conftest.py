@@ -38,6 +38,7 @@ SCENARIO_LANES = {
     "test_sandbox_nvidia_repo": "sandbox-nvidia-repo",
     "test_sandbox_rpc": "sandbox-rpc",
     "test_sandbox_router": "sandbox-router",
+    "test_sandbox_gateway": "sandbox-gateway",
     "test_sandbox_trixie_dkms": "sandbox-trixie-distro",
     "test_sandbox_hostile": "sandbox-hostile",
     "test_sandbox_slowdown": "sandbox-slow",

@@ -6,6 +6,7 @@ import shlex
 import pytest
 
 from llamarig.config import load_inventory
+from llamarig.model import catalog
 from llamarig.onhost import hostpaths
 from llamarig.planner import render
 from tests.conftest import PROJECT
@@ -256,9 +257,9 @@ def test_the_model_alias_is_a_name_clients_can_type(model, alias):
         "server": {"alias": None},
         "model": {"hf": None, "filename": None, "url": None, "path": None, **model},
     }
-    assert render.model_alias(data) == alias
+    assert catalog.model_alias(data) == alias
     data["server"]["alias"] = "qwen3.6-27b"
-    assert render.model_alias(data) == "qwen3.6-27b"
+    assert catalog.model_alias(data) == "qwen3.6-27b"
 
 
 def test_the_alias_is_on_the_command_line_and_an_unsafe_one_is_refused(write_inventory):

@@ -91,7 +91,7 @@ def rpc_inventory_problems(hosts: dict[str, HostConfig]) -> list[str]:
     return problems
 
 
-def _box(data: dict) -> str:
+def machine_box(data: dict) -> str:
     """The box a host's SSH address names, port aside: every loopback name and address (and
     pyinfra's @local) is this machine, whose containers share its loopback."""
     ssh = data["ssh"]
@@ -106,7 +106,7 @@ def _machine(data: dict) -> tuple:
     ssh = data["ssh"]
     if ssh.get("local"):
         return ("@local",)
-    box = _box(data)
+    box = machine_box(data)
     return ("127.0.0.1" if box == "this machine" else box, ssh.get("port", 22))
 
 
@@ -138,15 +138,15 @@ def rpc_topology_problems(hosts: dict[str, HostConfig]) -> list[str]:
                 continue
             head_of[name] = head.name
             address = worker.data["rpc"]["host"]
-            if is_loopback(address) and _box(worker.data) != _box(head.data):
+            if is_loopback(address) and machine_box(worker.data) != machine_box(head.data):
                 problems.append(
                     located(
                         worker,
                         Problem(
                             ("rpc", "host"),
                             f"{address} is loopback, which head `{head.name}` on another box "
-                            f"({_box(head.data)}) cannot reach: bind the private address of "
-                            f"{_box(worker.data)} that the head reaches, e.g. 10.0.0.12",
+                            f"({machine_box(head.data)}) cannot reach: bind the private address of "
+                            f"{machine_box(worker.data)} that the head reaches, e.g. 10.0.0.12",
                         ),
                     )
                 )
@@ -203,7 +203,8 @@ def shared_machine_problems(host_configs: list[HostConfig]) -> list[str]:
             (("paths", "env_file"), "paths.env_file"),
         ):
             owners: dict[Any, HostConfig] = {}
-            for host_config in members:
+            # A gateway alone runs no llama-server: its server settings are unused.
+            for host_config in (m for m in members if m.data["role"] != "gateway"):
                 value = host_config.data[key_path[0]][key_path[1]]
                 if value in owners:
                     problems.append(

@@ -16,6 +16,7 @@ from llamarig.config.crosshost import (
     shared_machine_problems,
 )
 from llamarig.config.derived import derive_rpc
+from llamarig.config.gateways import derive_gateways, gateway_problems
 from llamarig.config.hosts import HostConfig, Inventory
 from llamarig.config.loader import defaults, load_yaml, shape_problem
 from llamarig.config.paths import DEFAULTS_PATH, inventory_path
@@ -199,14 +200,17 @@ def load_inventory(path: Path | None = None) -> Inventory:
         problems.append(f"{path}: no hosts defined (add `all: children: GROUP: hosts: NAME: ...`)")
     for host_config in hosts.values():
         problems.extend(validate_host(host_config))
+    members = _group_members(load.groups, hosts)
     if not problems:
         problems.extend(shared_machine_problems(list(hosts.values())))
         problems.extend(rpc_inventory_problems(hosts))
         problems.extend(rpc_topology_problems(hosts))
+        problems.extend(gateway_problems(hosts, members))
     if problems:
         raise ConfigError(problems)
     derive_rpc(hosts)
-    return Inventory(path, hosts, _group_members(load.groups, hosts))
+    derive_gateways(hosts, members)
+    return Inventory(path, hosts, members)
 
 
 def _top_level(path: Path) -> tuple[Any, list[str]]:

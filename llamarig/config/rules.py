@@ -37,6 +37,8 @@ def semantic_problems(data: dict) -> list[Problem]:
     the fix is to add a setting the defaults leave empty), section by section."""
     server, backend = data["server"], data["llama_cpp"]["backend"]
     ssh = data.get("ssh") or {}
+    if data["role"] == "gateway":  # no model, build or server of its own: only the gateway's
+        return [*_ssh_problems(ssh), *(Problem(*problem) for problem in shape_problems(data))]
     return [
         *_ssh_problems(ssh),
         *port_problems(server, ssh),

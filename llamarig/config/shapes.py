@@ -33,7 +33,10 @@ _LOGIN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _URL_CHARACTERS = re.compile(r"^[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=%]*$")
 _SCP_LIKE = re.compile(r"^(?:(?P<user>[A-Za-z0-9_][A-Za-z0-9_.-]*)@)?(?P<host>[^/:@]+):(?!//)")
 
-LOCAL_FILES = "`ssh.key`, `ssh.known_hosts` and `server.api_key_file`"
+LOCAL_FILES = (
+    "`ssh.key`, `ssh.known_hosts`, `server.api_key_file` and the gateway's key and certificate "
+    "files"
+)
 EXAMPLE_ADDRESS = "e.g. 192.0.2.10 or rig1.example.org"
 
 
@@ -312,7 +315,10 @@ def _strings(data: dict, *key_paths: tuple) -> list[tuple[tuple, str]]:
     for key_path in key_paths:
         value: Any = data
         for part in key_path:
-            value = value.get(part) if isinstance(value, dict) else None
+            if isinstance(value, list) and isinstance(part, int) and part < len(value):
+                value = value[part]
+            else:
+                value = value.get(part) if isinstance(value, dict) else None
         if isinstance(value, str):
             found.append((key_path, value))
     return found
@@ -364,6 +370,21 @@ def _address_shapes(data: dict) -> list[Found]:
             (key_path, address_problem(value, "rpc.port", wildcard=True))
             for key_path, value in _strings(data, ("rpc", "host"))
         ),
+        *(
+            (key_path, address_problem(value, "gateway.port", wildcard=True))
+            for key_path, value in _strings(data, ("gateway", "host"))
+        ),
+        *(
+            (key_path, address_problem(value, "gateway.metrics.port", wildcard=True))
+            for key_path, value in _strings(data, ("gateway", "metrics", "host"))
+        ),
+        # A self-signed certificate's names: what clients connect to, never a wildcard.
+        *(
+            (("gateway", "tls", "names", index), address_problem(value, "gateway.port"))
+            for index, value in enumerate(
+                (data.get("gateway") or {}).get("tls", {}).get("names", [])
+            )
+        ),
     ]
 
 
@@ -386,8 +407,17 @@ def _ssh_user_shapes(ssh: dict) -> list[Found]:
 
 
 def _local_path_shapes(data: dict) -> list[Found]:
-    """The files on this machine: `ssh.key`, `ssh.known_hosts` and `server.api_key_file`."""
-    key_paths = (("ssh", "key"), ("ssh", "known_hosts"), ("server", "api_key_file"))
+    """The files on this machine: SSH key and known_hosts, API key, the gateway's files."""
+    key_paths = [
+        ("ssh", "key"),
+        ("ssh", "known_hosts"),
+        ("server", "api_key_file"),
+        ("gateway", "rig_key_file"),
+        ("gateway", "tls", "cert_file"),
+        ("gateway", "tls", "key_file"),
+    ]
+    users = (data.get("gateway") or {}).get("users", [])
+    key_paths += [("gateway", "users", index, "key_file") for index in range(len(users))]
     return [(key_path, local_path_problem(value)) for key_path, value in _strings(data, *key_paths)]
 
 

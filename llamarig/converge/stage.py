@@ -19,6 +19,7 @@ from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 
 from llamarig import operations
 from llamarig.config import ConfigError, rig_data
+from llamarig.config.gateways import runs_gateway
 from llamarig.config.lock import LockError, lock_path, resolved
 from llamarig.converge import boot
 from llamarig.facts.apt import AptListsAge, PackageVersions
@@ -33,7 +34,7 @@ from llamarig.model.catalog import is_router, served_data
 from llamarig.model.files import model_files
 from llamarig.model.reference import HubError, hub_token_file
 from llamarig.onhost import checksums, deploy_record, hostpaths
-from llamarig.planner import render
+from llamarig.planner import gateway, render
 from llamarig.planner.gather import plan_for
 from llamarig.planner.host_plan import HostPlan
 from llamarig.tables.packages import BUILD_DEPENDENCIES, DKMS_SOURCES, build_tools
@@ -56,10 +57,17 @@ def rig() -> dict:
         except ConfigError as error:
             refuse(error.problems)
         try:
-            _rigs[host.name] = data if data["role"] == "rpc-worker" else resolved(data)
+            unresolved = data["role"] in ("rpc-worker", "gateway")  # no model to resolve
+            _rigs[host.name] = data if unresolved else resolved(data)
         except HubError as error:
             refuse([f"{'.'.join(error.key_path)}: {error.message}"])
     return _rigs[host.name]
+
+
+def gateway_only() -> bool:
+    """True for a host that serves no model, only the team endpoint (`role: gateway`): the
+    stages of a rig (driver, build, model, server) leave it alone."""
+    return rig()["role"] == "gateway"
 
 
 def plan() -> HostPlan:
@@ -166,6 +174,28 @@ def read_managed_state() -> None:
     if not is_router(data) and data["role"] != "rpc-worker":
         requests.append((File, {"path": paths["presets"]}))  # removed, if a router left it
     prefetch(requests)
+    read_gateway_state()
+
+
+def read_gateway_state() -> None:
+    """What the gateway stage reads (its files, packages and unit), in one round trip."""
+    if not runs_gateway(rig()):
+        return
+    paths = [
+        hostpaths.HAPROXY_CONFIG,
+        hostpaths.GATEWAY_USERS_MAP,
+        hostpaths.GATEWAY_RIG_KEY_MAP,
+        hostpaths.GATEWAY_MODELS_JSON,
+        hostpaths.GATEWAY_TLS_PEM,
+        hostpaths.GATEWAY_TLS_CERT,
+    ]
+    prefetch(
+        [(FileState, {"path": path}) for path in paths]
+        + [
+            (PackageVersions, {"packages": sorted(gateway.PACKAGES)}),
+            (UnitState, {"unit": gateway.SERVICE}),
+        ]
+    )
 
 
 def refuse(problems: list[str]) -> None:

@@ -8,6 +8,8 @@ import copy
 import re
 from dataclasses import dataclass
 
+from llamarig.model.files import model_filename
+
 # What a model's `name` may be (schema.json says the same): clients send it as `model`, and it
 # names a section of llama.cpp's presets file.
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -97,3 +99,27 @@ def with_views(data: dict, views: list[ModelView]) -> dict:
 def served_data(data: dict) -> list[dict]:
     """The one-model rig data of every model ``data`` serves: its views, or ``data`` itself."""
     return [view.data for view in model_views(data)] if is_router(data) else [data]
+
+
+# A quantization as GGUF file names carry it: Q4_1, Q4_K_M, IQ2_XXS, Q8_0, F16, BF16, MXFP4 ...
+_QUANT_SUFFIX = re.compile(
+    r"[-._](?:I?Q\d(?:_[0-9A-Z]+)*|[BM]?F(?:16|32)|MXFP4|TQ\d_\d)$", re.IGNORECASE
+)
+
+
+def model_alias(data: dict) -> str:
+    """The model's name for clients: ``server.alias``, else the Hugging Face repo's name
+    without ``-GGUF``, else the model file's name without ``.gguf``, its shard number and its
+    quantization; characters outside letters, digits and ``._-`` become ``-`` (llama-server
+    splits aliases at commas)."""
+    if data["server"]["alias"]:
+        return data["server"]["alias"]
+    model = data["model"]
+    if model.get("hf"):
+        name = re.sub(r"[-_.]gguf$", "", model["hf"].rsplit("/", 1)[-1], flags=re.IGNORECASE)
+    else:
+        name = re.sub(r"\.gguf$", "", model_filename(data), flags=re.IGNORECASE)
+        name = re.sub(r"-\d{5}-of-\d{5}$", "", name)
+        name = _QUANT_SUFFIX.sub("", name)
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")
+    return name[:128] or "model"

@@ -52,3 +52,18 @@ APT_UPDATE_STAMP = "/var/lib/apt/periodic/update-success-stamp"
 # Debian's and Ubuntu's dkms default key pair (dkms 3.x `mok_signing_key`/`mok_certificate`).
 MOK_KEY = "/var/lib/dkms/mok.key"
 MOK_CERTIFICATE = "/var/lib/dkms/mok.pub"
+
+# The gateway (HAProxy from the distribution): its configuration, read by Debian's unit, and
+# what it reads beside it. HAProxy's master reads them as root before its workers drop to the
+# haproxy user, so the secrets among them (the rigs' key, the TLS key) stay root's alone.
+HAPROXY_CONFIG = "/etc/haproxy/haproxy.cfg"
+GATEWAY_DIRECTORY = "/etc/haproxy/llamarig"
+GATEWAY_USERS_MAP = f"{GATEWAY_DIRECTORY}/users.map"
+GATEWAY_RIG_KEY_MAP = f"{GATEWAY_DIRECTORY}/rig-key.map"
+GATEWAY_MODELS_JSON = f"{GATEWAY_DIRECTORY}/models.json"
+GATEWAY_TLS_PEM = f"{GATEWAY_DIRECTORY}/tls.pem"
+# The certificate alone (no key), for `llamarig status` and the copy clients trust.
+GATEWAY_TLS_CERT = f"{GATEWAY_DIRECTORY}/tls.crt"
+# The runtime API (root only; never on the network), and the servers' state a reload keeps.
+GATEWAY_ADMIN_SOCKET = "/run/haproxy/admin.sock"
+GATEWAY_SERVER_STATE = "/var/lib/haproxy/server-state"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import shlex
 from pathlib import PurePosixPath
 from typing import Any
@@ -21,7 +20,7 @@ from llamarig.config import model_filename
 from llamarig.config.addresses import local_url
 from llamarig.config.numbers import C_FLOAT, C_INT
 from llamarig.config.rules import PRESET_UNSAFE
-from llamarig.model.catalog import is_router, model_views
+from llamarig.model.catalog import is_router, model_alias, model_views
 from llamarig.onhost.hostpaths import (
     API_KEY_PATH,
     BUILD_COMPLETE_MARKER,
@@ -314,30 +313,6 @@ def model_options(data: dict) -> list[tuple[str, str | None]]:
         if server["sampling"].get(key) is not None:
             options.append((entry.flags[0], _number(server["sampling"][key])))
     return options
-
-
-# A quantization as GGUF file names carry it: Q4_1, Q4_K_M, IQ2_XXS, Q8_0, F16, BF16, MXFP4 ...
-_QUANT_SUFFIX = re.compile(
-    r"[-._](?:I?Q\d(?:_[0-9A-Z]+)*|[BM]?F(?:16|32)|MXFP4|TQ\d_\d)$", re.IGNORECASE
-)
-
-
-def model_alias(data: dict) -> str:
-    """The model's name for clients: ``server.alias``, else the Hugging Face repo's name
-    without ``-GGUF``, else the model file's name without ``.gguf``, its shard number and its
-    quantization; characters outside letters, digits and ``._-`` become ``-`` (llama-server
-    splits aliases at commas)."""
-    if data["server"]["alias"]:
-        return data["server"]["alias"]
-    model = data["model"]
-    if model.get("hf"):
-        name = re.sub(r"[-_.]gguf$", "", model["hf"].rsplit("/", 1)[-1], flags=re.IGNORECASE)
-    else:
-        name = re.sub(r"\.gguf$", "", model_filename(data), flags=re.IGNORECASE)
-        name = re.sub(r"-\d{5}-of-\d{5}$", "", name)
-        name = _QUANT_SUFFIX.sub("", name)
-    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-._")
-    return name[:128] or "model"
 
 
 def server_devices(data: dict) -> tuple[list[str], list | None]:

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 from llamarig.config import HostConfig
 from llamarig.config.ssh import SshTarget
-from llamarig.model.catalog import is_router, model_views
+from llamarig.model.catalog import is_router, model_alias, model_views
 from llamarig.model.reference import HubError
 from llamarig.onhost import checksums, deploy_record, hostpaths
 from llamarig.onhost.httpbounds import HttpTimeouts
@@ -256,7 +256,7 @@ def _router_fields(row: HostStatus, data: dict, found: dict[str, list[str]]) -> 
 
 def _server_fields(row: HostStatus, data: dict, found: dict[str, list[str]]) -> None:
     paths = render.layout(data)
-    row.model_name = render.model_alias(data)
+    row.model_name = model_alias(data)
     row.model_file = paths["model"]
     trusted = checksums.trusted_sha256(found.get("model", []))
     declared = data["model"].get("sha256")

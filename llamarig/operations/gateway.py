@@ -1,0 +1,255 @@
+"""Operations of the team endpoint: HAProxy's configuration checked before it is put in place
+and applied by a reload (never a restart: no connection is dropped), a self-signed certificate
+made once, the certificate copied to the control machine, and the wait until every model has a
+rig the gateway sees up."""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import shlex
+import ssl
+from io import BytesIO
+from pathlib import Path, PurePosixPath
+from typing import IO
+
+from pyinfra import host, logger
+from pyinfra.api import FileUploadCommand, FunctionCommand, operation
+
+from llamarig.facts.cache import known
+from llamarig.facts.files import FileState
+from llamarig.facts.gateway import GatewayStat, rigs_up
+from llamarig.operations.files import ATOMIC_SUFFIX, rename_into_place
+from llamarig.operations.host import fail
+
+
+def fingerprint(pem: str) -> str:
+    """A PEM certificate's SHA-256 fingerprint as browsers and ``openssl x509 -fingerprint``
+    print it (AB:CD:...)."""
+    digest = hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).hexdigest().upper()
+    return ":".join(digest[i : i + 2] for i in range(0, len(digest), 2))
+
+
+@operation()
+def haproxy_config(src: IO[str], dest: str):
+    """
+    Put HAProxy's configuration in place only when it differs, and only once ``haproxy -c``
+    accepts it (with the maps and certificate it names, already in place): a configuration
+    HAProxy refuses never replaces the one that serves.
+
+    + src: the wanted configuration (rendered from the plan, never raw user text)
+    + dest: the configuration file Debian's unit reads
+
+    **Example:**
+
+    .. code:: python
+
+        haproxy_config(src=StringIO(text), dest="/etc/haproxy/haproxy.cfg")
+    """
+    src.seek(0)
+    content = src.read().encode()
+    remote = known(FileState, path=dest)
+    if remote and remote["sha256"] == hashlib.sha256(content).hexdigest():
+        host.noop(f"{dest} is up to date")
+        return
+    candidate = dest + ATOMIC_SUFFIX
+    yield f"mkdir -p {shlex.quote(str(PurePosixPath(dest).parent))}"
+    yield FileUploadCommand(BytesIO(content), candidate)
+    yield (
+        f"if ! checked=$(haproxy -c -q -f {shlex.quote(candidate)} 2>&1); then "
+        f'echo "llamarig: HAProxy refuses the new configuration (the running one is kept): '
+        f'$checked" >&2; rm -f {shlex.quote(candidate)}; exit 1; fi'
+    )
+    yield rename_into_place(dest, "644")
+
+
+@operation(is_idempotent=False)
+def haproxy_applied(service: str, admin_socket: str, state_file: str):
+    """
+    Apply HAProxy's files: a reload when it runs (its master hands the listeners to new
+    workers; requests in flight finish on the old ones), after saving the servers' state (a
+    rig set to drain stays drained), else a start.
+
+    + service: the unit, e.g. ``haproxy.service``
+    + admin_socket: the runtime API's Unix socket
+    + state_file: where ``show servers state`` is saved for the new workers to load
+
+    **Example:**
+
+    .. code:: python
+
+        haproxy_applied(service="haproxy.service", admin_socket="/run/haproxy/admin.sock",
+                        state_file="/var/lib/haproxy/server-state")
+    """
+    unit, socket, state = (shlex.quote(value) for value in (service, admin_socket, state_file))
+    yield (
+        f"if systemctl is-active -q -- {unit}; then "
+        f"mkdir -p $(dirname {state}); "
+        f"echo 'show servers state' | socat -t 5 stdio UNIX-CONNECT:{socket} > {state}.new "
+        f"2>/dev/null && mv {state}.new {state} || rm -f {state}.new; "
+        f"systemctl reload -- {unit}; "
+        f"else systemctl enable -- {unit} && systemctl start -- {unit}; fi"
+    )
+
+
+@operation()
+def self_signed_certificate(pem: str, cert: str, names: list[str], days: int = 3650):
+    """
+    Make a self-signed certificate and key (ECDSA P-256) on the host once, for the gateway's
+    TLS when the user gives none: ``pem`` holds the key and certificate (root only), ``cert``
+    the certificate alone. An existing pair is kept.
+
+    + pem: the key and certificate, as HAProxy's ``crt`` reads them
+    + cert: the certificate alone (what clients trust)
+    + names: DNS names and IP addresses for subjectAltName (checked shapes)
+    + days: validity
+
+    **Example:**
+
+    .. code:: python
+
+        self_signed_certificate(pem="/etc/haproxy/llamarig/tls.pem",
+                                cert="/etc/haproxy/llamarig/tls.crt", names=["10.0.0.5"])
+    """
+    if known(FileState, path=pem) and known(FileState, path=cert):
+        host.noop(f"{cert} exists")
+        return
+    alt = ",".join(f"{'IP' if _is_ip(name) else 'DNS'}:{name}" for name in names)
+    q_pem, q_cert = shlex.quote(pem), shlex.quote(cert)
+    work = shlex.quote(pem + ".work")
+    yield (
+        f"umask 077 && rm -rf {work} && mkdir -p {work} $(dirname {q_pem}) && "
+        "openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
+        f"-days {int(days)} -subj /CN=llamarig-gateway "
+        f"-addext {shlex.quote('subjectAltName=' + alt)} "
+        f"-keyout {work}/key -out {work}/crt 2>{work}/log || "
+        f"{{ cat {work}/log >&2; rm -rf {work}; exit 1; }}"
+    )
+    yield (
+        f"cat {work}/crt {work}/key > {work}/pem && chmod 600 {work}/pem && "
+        f"chmod 644 {work}/crt && mv {work}/crt {q_cert} && mv {work}/pem {q_pem} && rm -rf {work}"
+    )
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+@operation()
+def certificate_copy(src: str, dest: str):
+    """
+    Copy the gateway's certificate to the control machine (what clients trust, e.g. the
+    OpenAI client's ``SSL_CERT_FILE``) and print its SHA-256 fingerprint; only when the copy
+    differs.
+
+    + src: the certificate on the host
+    + dest: the file on the control machine
+
+    **Example:**
+
+    .. code:: python
+
+        certificate_copy(src="/etc/haproxy/llamarig/tls.crt", dest="gateway-certs/gw.crt")
+    """
+    local = Path(dest)
+    remote = known(FileState, path=src)
+    if remote and local.is_file():
+        text = local.read_text(errors="replace")
+        if hashlib.sha256(local.read_bytes()).hexdigest() == remote["sha256"]:
+            host.noop(f"{dest} is up to date; certificate SHA-256 {fingerprint(text)}")
+            return
+
+    def fetch(state, host) -> bool:
+        buffer = BytesIO()
+        if not host.get_file(src, buffer):
+            return False
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_bytes(buffer.getvalue())
+        host.log(
+            f"gateway certificate {dest}: SHA-256 {fingerprint(buffer.getvalue().decode())}",
+            logger.warning,
+        )
+        return True
+
+    yield FunctionCommand(fetch, (), {})
+
+
+@operation(is_idempotent=False)
+def check_gateway(admin_socket: str, backends: dict[str, str]):
+    """
+    Fail unless HAProxy answers on its admin socket and sees, for every model, a rig up;
+    changes nothing. Guard it with ``_if=`` to skip it after a reload whose wait checked the
+    same.
+
+    + admin_socket: the runtime API's Unix socket
+    + backends: HAProxy backend name -> the model name clients send
+
+    **Example:**
+
+    .. code:: python
+
+        check_gateway(admin_socket="/run/haproxy/admin.sock", backends={"model_0": "smollm2"})
+    """
+    rows = host.get_fact(GatewayStat, admin_socket=admin_socket)
+    if not rows:
+        yield from fail._inner(
+            f"HAProxy does not answer on {admin_socket} (systemctl status haproxy)"
+        )
+        return
+    up = rigs_up(rows, backends)
+    missing = [backends[backend] for backend, servers in up.items() if not servers]
+    if missing:
+        yield from fail._inner(f"the gateway sees no rig up for: {', '.join(missing)}")
+        return
+    host.noop(
+        "the gateway sees "
+        + "; ".join(f"{backends[b]}: {', '.join(servers)} up" for b, servers in up.items())
+    )
+
+
+@operation(is_idempotent=False)
+def gateway_serving(admin_socket: str, backends: dict[str, str], timeout: int):
+    """
+    Wait until HAProxy's health checks see, for every model, at least one rig up; else fail
+    naming each model without one and what its checks last said.
+
+    + admin_socket: the runtime API's Unix socket
+    + backends: HAProxy backend name -> the model name clients send
+    + timeout: seconds to wait
+
+    **Example:**
+
+    .. code:: python
+
+        gateway_serving(admin_socket="/run/haproxy/admin.sock",
+                        backends={"model_0": "smollm2"}, timeout=30)
+    """
+    socket = shlex.quote(admin_socket)
+    names = " ".join(shlex.quote(f"{backend}={model}") for backend, model in backends.items())
+    # show stat: CSV, pxname (1), svname (2), status (18), check_status (37), last_chk (57).
+    yield f"""
+deadline=$(( $(date +%s) + {int(timeout)} ))
+while :; do
+  stat=$(echo 'show stat' | socat -t 5 stdio UNIX-CONNECT:{socket} 2>&1)
+  missing=""
+  for pair in {names}; do
+    backend=${{pair%%=*}}
+    printf '%s\\n' "$stat" | awk -F, -v b="$backend" \\
+      '$1==b && $2!="BACKEND" && $2!="FRONTEND" && $18 ~ /^UP/ {{found=1}} END {{exit !found}}' \\
+      || missing="$missing $pair"
+  done
+  [ -z "$missing" ] && break
+  if [ $(date +%s) -ge $deadline ]; then
+    echo "llamarig: the gateway sees no rig up for:$missing after {int(timeout)} s; its checks:" >&2
+    printf '%s\\n' "$stat" | awk -F, '$2!="BACKEND" && $2!="FRONTEND" && NR>1 \\
+      {{print "  " $1 "/" $2 ": " $18 " (" $37 " " $57 ")"}}' >&2
+    exit 1
+  fi
+  sleep 1
+done
+echo "llamarig: the gateway sees a rig up for every model"
+""".strip()

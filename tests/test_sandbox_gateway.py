@@ -1,0 +1,419 @@
+"""The team endpoint, for real: a gateway sandbox (Debian bookworm, HAProxy from its own
+repository) in front of two CPU rigs (trixie): `rig-a` serves SmolLM2, `rig-b` is a router
+serving SmolLM2 and the random-weight test model. One `pyinfra inventory.py deploy.py`
+converges all three; the next changes nothing. Through the gateway, over TLS, with the OpenAI
+Python client and a user's key: every model is listed and answers by name, a wrong or revoked
+key gets 401 and never reaches a rig, an unknown model gets 404 with the known names, the rigs'
+own paths are 404; more clients than slots wait at the gateway (no rig ever runs more than its
+slots) and spread over both rigs; a killed llama-server is taken out and comes back.
+
+The sandboxes share this machine's loopback, which plays the team's network. Stand-ins as in
+test_sandbox_converge (the model from the loopback file server, llama.cpp from a git daemon
+mirror). Needs root, systemd-nspawn and mmdebstrap.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llamarig import CACHE_DIR
+from llamarig.operations.gateway import fingerprint
+from tests import sandboxes
+from tests.conftest import PROJECT
+from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
+
+pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
+
+if os.geteuid() != 0:
+    pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
+
+GATEWAY, RIG_A, RIG_B = "sandbox-gw", "sandbox-gw-rig-a", "sandbox-gw-rig-b"
+SSH_PORTS = {GATEWAY: 2240, RIG_A: 2241, RIG_B: 2242}
+RIG_PORTS = {RIG_A: 8111, RIG_B: 8112}
+GATEWAY_PORT, METRICS_PORT = 8443, 8405
+GATEWAY_URL = f"https://127.0.0.1:{GATEWAY_PORT}"
+QUESTION = {"role": "user", "content": "What is the capital of France? Answer in one word."}
+USERS = ("alice", "bob")
+
+
+def _host(name: str, release_known_hosts: str) -> dict:
+    return {
+        "ssh": {
+            "host": "127.0.0.1",
+            "port": SSH_PORTS[name],
+            "user": "root",
+            "key": str(CACHE_DIR / "sandbox" / "id_ed25519"),
+            "known_hosts": release_known_hosts,
+        }
+    }
+
+
+def inventory(path: Path, infos: dict, keys: dict, users=USERS, queue_timeout: int = 30) -> Path:
+    """Three hosts: the demo rig's settings on the two rigs (one thread, speed unmeasured:
+    sandboxes.lane_rig), the gateway in the `gateways` group."""
+    demo = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
+    base = demo["all"]["children"]["sandbox"]["hosts"]["sandbox"]
+    smollm2_model = base["model"]
+    rigs = {}
+    for name in (RIG_A, RIG_B):
+        rig = yaml.safe_load(yaml.safe_dump(base))
+        rig["ssh"] = _host(name, str(infos[name].known_hosts_path))["ssh"]
+        rig["server"].update(port=RIG_PORTS[name], api_key_file=str(keys[name]))
+        sandboxes.lane_rig(rig)
+        rigs[name] = rig
+    rigs[RIG_A]["server"]["alias"] = "smollm2"
+    router = rigs[RIG_B]
+    router.pop("model")
+    answers = router.pop("expect")["answers"]
+    router["models"] = [
+        {"name": "smollm2", **smollm2_model, "load_on_startup": True,
+         "server": {"ctx": 4096, "parallel": 2}, "expect": {"answers": answers}},
+        {"name": "tiny-random", **sandboxes.random_model(infos[RIG_B]), "load_on_startup": True,
+         "server": {"ctx": 1024, "parallel": 1}},
+    ]  # fmt: skip
+    gateway = _host(GATEWAY, str(infos[GATEWAY].known_hosts_path))
+    gateway.update(
+        role="gateway",
+        gateway={
+            "host": "127.0.0.1",
+            "port": GATEWAY_PORT,
+            "rig_key_file": str(keys["gateway"]),
+            "fronts": "rigs",
+            "queue_timeout": queue_timeout,
+            "users": [{"name": user, "key_file": str(keys[user])} for user in users],
+            "metrics": {"host": "127.0.0.1", "port": METRICS_PORT},
+        },
+    )
+    document = {
+        "all": {
+            "children": {
+                "rigs": {"hosts": rigs},
+                "gateways": {"hosts": {"gw": gateway}},
+            }
+        }
+    }
+    path.write_text(yaml.safe_dump(document))
+    return path
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("gateway")
+    keys = {name: _key(directory, name) for name in (RIG_A, RIG_B, "gateway", *USERS)}
+    booted = {}
+    try:
+        for name, release in ((RIG_A, "trixie"), (RIG_B, "trixie"), (GATEWAY, "bookworm")):
+            booted[name] = fresh_sandbox(name, release, SSH_PORTS[name])
+        infos = {name: next(sandbox) for name, sandbox in booted.items()}
+        path = inventory(directory / "team.yml", infos, keys)
+        result = sandboxes.deploy(path)
+        assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+        yield {"infos": infos, "keys": keys, "path": path, "dir": directory, "first": result}
+    finally:
+        for sandbox in booted.values():
+            next(sandbox, None)  # takes the sandbox down
+
+
+def _key(directory: Path, name: str) -> Path:
+    key_file = directory / f"{name}.key"
+    key_file.write_text(secrets.token_hex(32) + "\n")
+    key_file.chmod(0o600)
+    return key_file
+
+
+def key_of(team, user: str) -> str:
+    return team["keys"][user].read_text().strip()
+
+
+def tls_context(team) -> ssl.SSLContext:
+    """Trust the gateway's self-signed certificate, as the deploy copied it beside the
+    inventory."""
+    return ssl.create_default_context(cafile=str(team["dir"] / "gateway-certs" / "gw.crt"))
+
+
+def call(team, path: str, body=None, key: str | None = None, method=None, timeout=300):
+    """One request to the gateway: (status, parsed JSON body or text)."""
+    data = json.dumps(body).encode() if body is not None else None
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(GATEWAY_URL + path, data, headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout, context=tls_context(team)) as reply:
+            status, text = reply.status, reply.read().decode()
+    except urllib.error.HTTPError as error:
+        status, text = error.code, error.read().decode()
+    try:
+        return status, json.loads(text)
+    except ValueError:
+        return status, text
+
+
+def rig_requests(team, name: str) -> int:
+    """How many requests a rig's llama-server has logged in its journal."""
+    out = in_sandbox(
+        team["infos"][name],
+        "journalctl -u llama-server.service --no-pager -o cat | grep -c 'done request' || true",
+    )
+    return int(out or 0)
+
+
+def test_one_converge_sets_up_the_team_endpoint_and_the_next_changes_nothing(team):
+    output = team["first"].stdout + team["first"].stderr
+    cert = (team["dir"] / "gateway-certs" / "gw.crt").read_text()
+    # The run printed the self-signed certificate's fingerprint, as the copy has it.
+    assert fingerprint(cert) in output, output[-4000:]
+    assert changed_operations(sandboxes.converge(team["path"])) == []
+    gateway = team["infos"][GATEWAY]
+    # The gateway keeps the users' key hashes and its key for the rigs; never a user's key.
+    stored = in_sandbox(gateway, "cat /etc/haproxy/llamarig/*.map /etc/haproxy/haproxy.cfg")
+    for user in USERS:
+        assert key_of(team, user) not in stored
+    assert in_sandbox(gateway, "stat -c %a /etc/haproxy/llamarig/rig-key.map") == "600"
+    # Each rig accepts its own key and the gateway's.
+    for rig in (RIG_A, RIG_B):
+        accepted = in_sandbox(team["infos"][rig], "cat /etc/llamarig/api-key").split()
+        assert accepted == [key_of(team, rig), key_of(team, "gateway")]
+
+
+def test_every_model_answers_by_name_through_tls_with_a_users_key(team):
+    import httpx
+    from openai import OpenAI
+
+    client = OpenAI(
+        base_url=f"{GATEWAY_URL}/v1",
+        api_key=key_of(team, "alice"),
+        http_client=httpx.Client(verify=tls_context(team)),
+        timeout=300,
+        max_retries=0,
+    )
+    assert sorted(model.id for model in client.models.list()) == ["smollm2", "tiny-random"]
+    answer = client.chat.completions.create(
+        model="smollm2", messages=[QUESTION], max_tokens=16, temperature=0
+    )
+    assert "Paris" in answer.choices[0].message.content, answer
+    # Random weights: it answers, with nonsense.
+    text = client.completions.create(model="tiny-random", prompt="Hello", max_tokens=8)
+    assert text.usage.completion_tokens == 8, text
+    log = in_sandbox(team["infos"][GATEWAY], "journalctl -u haproxy --no-pager -o cat")
+    # The user's name on each request's log line, never the key.
+    assert re.search(r"user=alice model=\"smollm2\" model_0/", log), log[-3000:]
+    assert key_of(team, "alice") not in log
+
+
+def test_a_wrong_key_gets_401_and_never_reaches_a_rig(team):
+    before = {rig: rig_requests(team, rig) for rig in (RIG_A, RIG_B)}
+    body = {"model": "smollm2", "messages": [QUESTION], "max_tokens": 4}
+    for key in (None, "x" * 64, key_of(team, RIG_A), key_of(team, "gateway")):
+        status, reply = call(team, "/v1/chat/completions", body, key)
+        assert status == 401, reply
+        assert reply["error"]["code"] == "invalid_api_key", reply
+    assert {rig: rig_requests(team, rig) for rig in (RIG_A, RIG_B)} == before
+
+
+def test_an_unknown_model_gets_404_with_the_known_names(team):
+    for name in ("gpt-4o", 'a"b\\c\u0007%[d]'):
+        status, reply = call(
+            team,
+            "/v1/chat/completions",
+            {"model": name, "messages": [QUESTION]},
+            key_of(team, "bob"),
+        )
+        assert status == 404, reply
+        message = reply["error"]["message"]
+        assert name in message and "smollm2" in message and "tiny-random" in message, message
+
+
+def test_only_the_api_is_forwarded(team):
+    refused = [("GET", "/slots"), ("GET", "/props"), ("GET", "/metrics"), ("GET", "/health"),
+               ("POST", "/completion"), ("GET", "/v1/chat/completions")]  # fmt: skip
+    for method, path in refused:
+        body = {"model": "smollm2", "prompt": "x"} if method == "POST" else None
+        status, reply = call(team, path, body, key_of(team, "alice"), method=method)
+        assert status == 404, (path, reply)
+
+
+def test_a_body_too_large_to_route_gets_413(team):
+    messages = [{"role": "user", "content": "x" * (1100 * 1024)}]
+    status, reply = call(
+        team,
+        "/v1/chat/completions",
+        {"messages": messages, "model": "smollm2"},
+        key_of(team, "alice"),
+    )
+    assert status == 413, reply
+
+
+def test_a_revoked_user_is_refused_at_the_next_request(team):
+    revoked = inventory(team["dir"] / "revoked.yml", team["infos"], team["keys"], users=("alice",))
+    applied = changed_operations(sandboxes.converge(revoked))
+    assert any(name.startswith("Users' key hashes") for name in applied), applied
+    body = {"model": "smollm2", "messages": [QUESTION], "max_tokens": 4}
+    assert call(team, "/v1/chat/completions", body, key_of(team, "bob"))[0] == 401
+    assert call(team, "/v1/chat/completions", body, key_of(team, "alice"))[0] == 200
+    assert changed_operations(sandboxes.converge(team["path"])) != []  # bob back
+
+
+def stream_chat(team, user: str, tokens: int, said: dict) -> None:
+    """One streamed chat completion of ``tokens`` tokens through the gateway; ``said`` gets
+    the HTTP status, the finish reason, the chunks, the start and end, and any error."""
+    body = {"model": "smollm2", "messages": [QUESTION], "max_tokens": tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key_of(team, user)}"}
+    request = urllib.request.Request(
+        GATEWAY_URL + "/v1/chat/completions", json.dumps(body).encode(), headers
+    )
+    said.update(start=time.monotonic(), chunks=0)
+    try:
+        with urllib.request.urlopen(request, timeout=300, context=tls_context(team)) as reply:
+            said["status"] = reply.status
+            for line in reply:
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line[len(b"data: ") :])
+                    said["chunks"] += 1
+                    reason = (chunk.get("choices") or [{}])[0].get("finish_reason")
+                    said["finish"] = reason or said.get("finish")
+    except urllib.error.HTTPError as error:
+        said.update(
+            status=error.code,
+            body=error.read().decode(),
+            retry_after=error.headers.get("Retry-After"),
+        )
+    except Exception as error:  # noqa: BLE001 - whatever cut the stream is the finding
+        said["error"] = repr(error)
+    said["end"] = time.monotonic()
+
+
+def clients_at_once(team, count: int, tokens: int) -> list[dict]:
+    """``count`` streamed chats started together; each one's ``stream_chat`` record."""
+    records = [{} for _ in range(count)]
+    threads = [
+        threading.Thread(target=stream_chat, args=(team, "alice", tokens, record))
+        for record in records
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return records
+
+
+def busy_slots(team, rig: str) -> int:
+    """How many of a rig's SmolLM2 slots are processing now (its /slots, with its own key)."""
+    query = "?model=smollm2" if rig == RIG_B else ""
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{RIG_PORTS[rig]}/slots{query}",
+        headers={"Authorization": f"Bearer {key_of(team, rig)}"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as reply:
+        return sum(1 for slot in json.load(reply) if slot.get("is_processing"))
+
+
+def served_by(team, since: str) -> dict[str, int]:
+    """Requests of model smollm2 each rig answered (HAProxy's log lines since ``since``)."""
+    log = in_sandbox(
+        team["infos"][GATEWAY],
+        f"journalctl -u haproxy --no-pager -o cat --since {json.dumps(since)}",
+    )
+    return {rig: len(re.findall(rf"model_0/{rig} 200 ", log)) for rig in (RIG_A, RIG_B)}
+
+
+def gateway_clock(team) -> str:
+    return in_sandbox(team["infos"][GATEWAY], "date '+%Y-%m-%d %H:%M:%S'")
+
+
+def test_more_clients_than_slots_wait_at_the_gateway_and_spread_over_both_rigs(team):
+    """10 clients for 4 slots of SmolLM2 (2 on each rig): no rig ever runs more than its
+    slots (its /slots, read every 0.2 s), every request ends whole, both rigs serve."""
+    since = gateway_clock(team)
+    most = {RIG_A: 0, RIG_B: 0}
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            for rig in most:
+                most[rig] = max(most[rig], busy_slots(team, rig))
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        records = clients_at_once(team, 10, 64)
+    finally:
+        stop.set()
+        watcher.join(timeout=30)
+    assert [r.get("status") for r in records] == [200] * 10, records
+    assert all(r.get("finish") == "length" and "error" not in r for r in records), records
+    assert most[RIG_A] <= 2 and most[RIG_B] <= 2, most
+    assert max(most.values()) == 2, most  # the watch saw the slots full: the queue was used
+    spread = served_by(team, since)
+    assert spread[RIG_A] > 0 and spread[RIG_B] > 0 and sum(spread.values()) == 10, spread
+
+
+def test_a_request_that_waits_past_queue_timeout_gets_503_with_retry_after(team):
+    short = inventory(team["dir"] / "short-queue.yml", team["infos"], team["keys"], queue_timeout=2)
+    sandboxes.converge(short)
+    try:
+        records = clients_at_once(team, 8, 400)  # each several seconds: 4 run, 4 wait
+    finally:
+        sandboxes.converge(team["path"])
+    statuses = sorted(r.get("status") for r in records)
+    assert set(statuses) <= {200, 503} and statuses.count(200) >= 4, records
+    refused = [r for r in records if r.get("status") == 503]
+    assert refused, records
+    for record in refused:
+        assert json.loads(record["body"])["error"]["code"] == "overloaded", record
+        assert record["retry_after"], record
+        assert record["end"] - record["start"] < 10, record  # the bound, not a rig's answer
+
+
+def test_a_killed_rig_is_taken_out_and_takes_requests_again_once_back(team):
+    """SIGKILL llama-server on rig-a while 4 clients stream: requests that start after the
+    health checks' 2 s (plus a second) all succeed on rig-b; rig-a restarts by itself
+    (systemd) and serves again."""
+    records: list[dict] = []
+    deadline = time.monotonic() + 40
+    killed: dict = {}
+
+    def client() -> None:
+        for _ in range(200):  # bounded in count and in time
+            if time.monotonic() > deadline:
+                return
+            record: dict = {}
+            stream_chat(team, "alice", 24, record)
+            records.append(record)
+
+    clients = [threading.Thread(target=client) for _ in range(4)]
+    for thread in clients:
+        thread.start()
+    time.sleep(4)
+    in_sandbox(team["infos"][RIG_A], "systemctl kill -s KILL llama-server.service")
+    killed["at"] = time.monotonic()
+    for thread in clients:
+        thread.join(timeout=120)
+    late = [r for r in records if r["start"] > killed["at"] + 3]
+    assert late and all(r.get("status") == 200 and r.get("finish") for r in late), late
+    early_failed = [r for r in records if r["start"] <= killed["at"] + 3 and r.get("status") != 200]
+    # Only a stream in flight on the killed rig may end short; none may be refused.
+    assert len(early_failed) <= 2, early_failed
+    # Back by itself (Restart=on-failure, RestartSec=5) and in rotation again.
+    in_sandbox(
+        team["infos"][RIG_A],
+        "for i in $(seq 60); do curl -sf localhost:8111/health && break; sleep 1; done",
+    )
+    since = gateway_clock(team)
+    time.sleep(3)  # its health check: rise 2, 1 s apart
+    clients_at_once(team, 6, 16)
+    assert served_by(team, since)[RIG_A] > 0
