@@ -51,6 +51,7 @@ def deploy() -> None:
         service=gateway.SERVICE,
         admin_socket=hostpaths.GATEWAY_ADMIN_SOCKET,
         state_file=hostpaths.GATEWAY_SERVER_STATE,
+        servers=gateway.state_keys(rig),
         _if=changed,
     )
     started = operations.unit_running(

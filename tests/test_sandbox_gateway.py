@@ -162,10 +162,12 @@ def call(team, path: str, body=None, key: str | None = None, method=None, timeou
 
 
 def rig_requests(team, name: str) -> int:
-    """How many requests a rig's llama-server has logged in its journal."""
+    """How many tasks a rig's llama-server (a router's children too) logged in its journal:
+    one `processing task` line per completion a slot takes (its default log level; the
+    per-request line is a trace)."""
     out = in_sandbox(
         team["infos"][name],
-        "journalctl -u llama-server.service --no-pager -o cat | grep -c 'done request' || true",
+        "journalctl -u llama-server.service --no-pager -o cat | grep -c 'processing task' || true",
     )
     return int(out or 0)
 
@@ -189,16 +191,7 @@ def test_one_converge_sets_up_the_team_endpoint_and_the_next_changes_nothing(tea
 
 
 def test_every_model_answers_by_name_through_tls_with_a_users_key(team):
-    import httpx
-    from openai import OpenAI
-
-    client = OpenAI(
-        base_url=f"{GATEWAY_URL}/v1",
-        api_key=key_of(team, "alice"),
-        http_client=httpx.Client(verify=tls_context(team)),
-        timeout=300,
-        max_retries=0,
-    )
+    client = openai_client(team, "alice")
     assert sorted(model.id for model in client.models.list()) == ["smollm2", "tiny-random"]
     answer = client.chat.completions.create(
         model="smollm2", messages=[QUESTION], max_tokens=16, temperature=0
@@ -221,6 +214,11 @@ def test_a_wrong_key_gets_401_and_never_reaches_a_rig(team):
         assert status == 401, reply
         assert reply["error"]["code"] == "invalid_api_key", reply
     assert {rig: rig_requests(team, rig) for rig in (RIG_A, RIG_B)} == before
+    # The count does see a request that reaches a rig: two with a user's key reach both.
+    records = clients_at_once(team, 4, 4)
+    assert all(record.get("status") == 200 for record in records), records
+    after = {rig: rig_requests(team, rig) for rig in (RIG_A, RIG_B)}
+    assert sum(after.values()) >= sum(before.values()) + 4, (before, after)
 
 
 def test_an_unknown_model_gets_404_with_the_known_names(team):
@@ -245,15 +243,48 @@ def test_only_the_api_is_forwarded(team):
         assert status == 404, (path, reply)
 
 
-def test_a_body_too_large_to_route_gets_413(team):
-    messages = [{"role": "user", "content": "x" * (1100 * 1024)}]
-    status, reply = call(
-        team,
-        "/v1/chat/completions",
-        {"messages": messages, "model": "smollm2"},
-        key_of(team, "alice"),
+def test_the_metrics_exporter_listens_on_loopback_only(team):
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as reply:
+        metrics = reply.read().decode()
+    assert re.search(rf'haproxy_server_status{{proxy="model_0",server="{RIG_A}"', metrics)
+    listening = in_sandbox(team["infos"][GATEWAY], f"ss -Hltn 'sport = :{METRICS_PORT}'")
+    assert listening.split()[3] == f"127.0.0.1:{METRICS_PORT}", listening
+
+
+def openai_client(team, user: str):
+    import httpx
+    from openai import OpenAI
+
+    return OpenAI(
+        base_url=f"{GATEWAY_URL}/v1",
+        api_key=key_of(team, user),
+        http_client=httpx.Client(verify=tls_context(team)),
+        timeout=300,
+        max_retries=0,
     )
-    assert status == 413, reply
+
+
+def test_a_body_too_large_to_route_gets_413(team):
+    """The OpenAI client sends `messages` before `model`: a body past the buffer would be
+    routed on its first part. (A client that writes a large body whole before reading may see
+    the connection reset instead: docs/gateway.md.)"""
+    import openai
+
+    client = openai_client(team, "alice")
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "x" * (1100 * 1024)}]
+        )
+    assert refused.value.status_code == 413, refused.value
+    assert refused.value.body["code"] == "request_too_large", refused.value.body
+    # Just under the limit, with `model` last, it is routed (and refused by the rig for its
+    # length, not by the gateway).
+    status, reply = call(
+        team, "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x" * (1000 * 1024)}], "model": "nope"},
+        key_of(team, "alice"),
+    )  # fmt: skip
+    assert status == 404 and reply["error"]["code"] == "model_not_found", reply
 
 
 def test_a_revoked_user_is_refused_at_the_next_request(team):

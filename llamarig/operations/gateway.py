@@ -64,7 +64,7 @@ def haproxy_config(src: IO[str], dest: str):
 
 
 @operation(is_idempotent=False)
-def haproxy_applied(service: str, admin_socket: str, state_file: str):
+def haproxy_applied(service: str, admin_socket: str, state_file: str, servers: list[str]):
     """
     Apply HAProxy's files: a reload when it runs (its master hands the listeners to new
     workers; requests in flight finish on the old ones), after saving the servers' state (a
@@ -73,20 +73,32 @@ def haproxy_applied(service: str, admin_socket: str, state_file: str):
     + service: the unit, e.g. ``haproxy.service``
     + admin_socket: the runtime API's Unix socket
     + state_file: where ``show servers state`` is saved for the new workers to load
+    + servers: ``BACKEND SERVER ADDRESS PORT`` of each server in the new configuration; the
+      saved state of any other is dropped, since a saved port and address win over the
+      configuration's (HAProxy 2.6): a rig moved to another port would be sought at the old
 
     **Example:**
 
     .. code:: python
 
         haproxy_applied(service="haproxy.service", admin_socket="/run/haproxy/admin.sock",
-                        state_file="/var/lib/haproxy/server-state")
+                        state_file="/var/lib/haproxy/server-state",
+                        servers=["model_0 rig1 10.0.0.21 8080"])
     """
     unit, socket, state = (shlex.quote(value) for value in (service, admin_socket, state_file))
+    wanted = shlex.quote("|".join(servers))
+    # show servers state: a version line, a `#` header, then be_id be_name srv_id srv_name
+    # srv_addr ... with srv_port in column 19 (format 1).
+    keep = (
+        "awk -v wanted=" + wanted + ' \'BEGIN {n = split(wanted, w, "|"); '
+        "for (i = 1; i <= n; i++) keep[w[i]] = 1} "
+        'NR <= 2 || (($2 " " $4 " " $5 " " $19) in keep)\''
+    )
     yield (
         f"if systemctl is-active -q -- {unit}; then "
         f"mkdir -p $(dirname {state}); "
-        f"echo 'show servers state' | socat -t 5 stdio UNIX-CONNECT:{socket} > {state}.new "
-        f"2>/dev/null && mv {state}.new {state} || rm -f {state}.new; "
+        f"echo 'show servers state' | socat -t 5 stdio UNIX-CONNECT:{socket} 2>/dev/null "
+        f"| {keep} > {state}.new && mv {state}.new {state} || rm -f {state}.new; "
         f"systemctl reload -- {unit}; "
         f"else systemctl enable -- {unit} && systemctl start -- {unit}; fi"
     )

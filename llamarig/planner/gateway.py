@@ -82,6 +82,16 @@ def backend_models(data: dict) -> dict[str, str]:
     }
 
 
+def state_keys(data: dict) -> list[str]:
+    """``BACKEND SERVER ADDRESS PORT`` of every server of the configuration (what a saved
+    server state must match to be kept across a reload)."""
+    return [
+        f"{backend_id(index)} {server['name']} {server['address']} {server['port']}"
+        for index, backend in enumerate(data["gateway"]["backends"])
+        for server in backend["servers"]
+    ]
+
+
 def users_map(data: dict) -> str:
     """The users' map: the SHA-256 of each key (lowercase hex, as HAProxy's ``sha2(256),hex,
     lower`` prints it) and the user's name. The keys themselves never leave this machine."""
