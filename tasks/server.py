@@ -24,6 +24,7 @@ from llamarig.facts.server import RunningService
 from llamarig.model.catalog import model_views
 from llamarig.onhost import hostpaths
 from llamarig.onhost.httpbounds import HttpTimeouts
+from llamarig.operations.rotation import Rotation
 from llamarig.planner import render
 from llamarig.planner.render import unloaded_by_reload
 from llamarig.serving import answers
@@ -147,6 +148,7 @@ def _systemd_service(rig: dict, inputs: list[OperationMeta]) -> list[OperationMe
             service=service,
             models=names,
         ),
+        Rotation.of(rig),
     )
     checked = [started, restarted]
     if presets:
@@ -263,6 +265,7 @@ def _reload_presets(
         http_timeouts=HttpTimeouts.of(rig),
         unloading=presets.unloading,
         drain_timeout=server["drain_timeout"],
+        rotation=Rotation.of(rig),
         _if=lambda: (
             (presets.written.did_change() or presets.pending)
             and not (started.did_change() or restarted.did_change())
@@ -293,6 +296,7 @@ def _serve_or_roll_back(
         presets=paths["presets"] if names else None,
         probe_model=_probe_model(rig),
         models=names,
+        rotation=Rotation.of(rig),
         _if=any_changed(*checked),
     )
 

@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-from llamarig.operations.gateway import fingerprint, haproxy_applied
+from llamarig.operations.gateway import haproxy_applied
+from llamarig.tables.certificates import fingerprint
 from tests.test_operations import changed, run_deploy
 
 pytestmark = pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl")

@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import ssl
+import subprocess
 import threading
 import time
 import urllib.error
@@ -29,7 +30,7 @@ import pytest
 import yaml
 
 from llamarig import CACHE_DIR
-from llamarig.operations.gateway import fingerprint
+from llamarig.tables.certificates import fingerprint
 from tests import sandboxes
 from tests.conftest import PROJECT
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
@@ -60,9 +61,19 @@ def _host(name: str, release_known_hosts: str) -> dict:
     }
 
 
-def inventory(path: Path, infos: dict, keys: dict, users=USERS, queue_timeout: int = 30) -> Path:
+def inventory(
+    path: Path,
+    infos: dict,
+    keys: dict,
+    users=USERS,
+    queue_timeout: int = 30,
+    fronted=(RIG_A, RIG_B),
+    ctx: int = 2048,
+    hold_timeout: int = 60,
+) -> Path:
     """Three hosts: the demo rig's settings on the two rigs (one thread, speed unmeasured:
-    sandboxes.lane_rig), the gateway in the `gateways` group."""
+    sandboxes.lane_rig), the gateway in the `gateways` group fronting the rigs of group
+    `front` (``fronted``); ``ctx``: rig-a's context, and the router's SmolLM2 twice it."""
     demo = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
     base = demo["all"]["children"]["sandbox"]["hosts"]["sandbox"]
     smollm2_model = base["model"]
@@ -73,13 +84,13 @@ def inventory(path: Path, infos: dict, keys: dict, users=USERS, queue_timeout: i
         rig["server"].update(port=RIG_PORTS[name], api_key_file=str(keys[name]))
         sandboxes.lane_rig(rig)
         rigs[name] = rig
-    rigs[RIG_A]["server"]["alias"] = "smollm2"
+    rigs[RIG_A]["server"].update(alias="smollm2", ctx=ctx)
     router = rigs[RIG_B]
     router.pop("model")
     answers = router.pop("expect")["answers"]
     router["models"] = [
         {"name": "smollm2", **smollm2_model, "load_on_startup": True,
-         "server": {"ctx": 4096, "parallel": 2}, "expect": {"answers": answers}},
+         "server": {"ctx": 2 * ctx, "parallel": 2}, "expect": {"answers": answers}},
         {"name": "tiny-random", **sandboxes.random_model(infos[RIG_B]), "load_on_startup": True,
          "server": {"ctx": 1024, "parallel": 1}},
     ]  # fmt: skip
@@ -90,8 +101,9 @@ def inventory(path: Path, infos: dict, keys: dict, users=USERS, queue_timeout: i
             "host": "127.0.0.1",
             "port": GATEWAY_PORT,
             "rig_key_file": str(keys["gateway"]),
-            "fronts": "rigs",
+            "fronts": "front",
             "queue_timeout": queue_timeout,
+            "hold_timeout": hold_timeout,
             "users": [{"name": user, "key_file": str(keys[user])} for user in users],
             "metrics": {"host": "127.0.0.1", "port": METRICS_PORT},
         },
@@ -100,6 +112,7 @@ def inventory(path: Path, infos: dict, keys: dict, users=USERS, queue_timeout: i
         "all": {
             "children": {
                 "rigs": {"hosts": rigs},
+                "front": {"hosts": {name: None for name in fronted}},
                 "gateways": {"hosts": {"gw": gateway}},
             }
         }
@@ -314,6 +327,7 @@ def stream_chat(team, user: str, tokens: int, said: dict) -> None:
                 if line.startswith(b"data: {"):
                     chunk = json.loads(line[len(b"data: ") :])
                     said["chunks"] += 1
+                    said.setdefault("first", time.monotonic())
                     reason = (chunk.get("choices") or [{}])[0].get("finish_reason")
                     said["finish"] = reason or said.get("finish")
     except urllib.error.HTTPError as error:
@@ -448,3 +462,169 @@ def test_a_killed_rig_is_taken_out_and_takes_requests_again_once_back(team):
     time.sleep(3)  # its health check: rise 2, 1 s apart
     clients_at_once(team, 6, 16)
     assert served_by(team, since)[RIG_A] > 0
+
+
+# Issue 56's scenarios: changes rolled through the gateway while clients stream.
+
+
+def rollout(path: Path) -> subprocess.CompletedProcess:
+    """`llamarig rollout` of ``path``; it must succeed."""
+    result = sandboxes.llamarig(path, "rollout")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+    return result
+
+
+class Streaming:
+    """``count`` clients, each sending a streamed chat as soon as its last ended, until
+    stopped (bounded: 300 requests each, 15 minutes)."""
+
+    def __init__(self, team, count: int, tokens: int = 24):
+        self.records: list[dict] = []
+        self.stop = threading.Event()
+        deadline = time.monotonic() + 900
+
+        def client() -> None:
+            for _ in range(300):
+                if self.stop.is_set() or time.monotonic() > deadline:
+                    return
+                record: dict = {}
+                stream_chat(team, "alice", tokens, record)
+                self.records.append(record)
+
+        self.threads = [threading.Thread(target=client) for _ in range(count)]
+        for thread in self.threads:
+            thread.start()
+
+    def finish(self) -> list[dict]:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=300)
+        return self.records
+
+
+class OutOfService:
+    """The longest span in which the gateway had one server (``BACKEND,SERVER``) not UP and
+    ready (drained for a change, or down), read from its runtime API every half second."""
+
+    def __init__(self, team, server: str):
+        self.spans: list[float] = []
+        self.stop = threading.Event()
+        stat = (
+            "echo 'show stat' | socat -t 5 stdio UNIX-CONNECT:/run/haproxy/admin.sock "
+            f"| grep '^{server},' | cut -d, -f18"
+        )
+
+        def watch() -> None:
+            since = None
+            deadline = time.monotonic() + 900
+            while not self.stop.is_set() and time.monotonic() < deadline:
+                state = in_sandbox(team["infos"][GATEWAY], stat)
+                now = time.monotonic()
+                if state == "UP":
+                    if since is not None:
+                        self.spans.append(now - since)
+                    since = None
+                elif since is None:
+                    since = now
+                time.sleep(0.5)
+
+        self.thread = threading.Thread(target=watch)
+        self.thread.start()
+
+    def finish(self) -> float:
+        self.stop.set()
+        self.thread.join(timeout=60)
+        return max(self.spans, default=0.0)
+
+
+def whole(record: dict) -> bool:
+    return (
+        record.get("status") == 200 and record.get("finish") == "length" and "error" not in record
+    )
+
+
+def test_a_change_rolls_through_both_rigs_one_at_a_time_and_cuts_nothing(team):
+    """6 clients stream throughout; rig-a's context and the router's SmolLM2 change: rig-a
+    restarts, the router reloads SmolLM2, each out of rotation in turn; every request ends
+    whole, and the next rollout changes nothing."""
+    changed = inventory(team["dir"] / "ctx.yml", team["infos"], team["keys"], ctx=3072)
+    clients = Streaming(team, 6)
+    try:
+        time.sleep(3)
+        result = rollout(changed)
+        time.sleep(3)
+    finally:
+        records = clients.finish()
+    output = result.stdout + result.stderr
+    broken = [record for record in records if not whole(record)]
+    assert len(records) > 20 and not broken, (len(records), broken[:5])
+    out_a = output.index(f"out of rotation at gateway gw (model_0/{RIG_A})")
+    back_a = output.index(f"back in rotation at gateway gw (model_0/{RIG_A})")
+    out_b = output.index("out of rotation at gateway gw (model_0/" + RIG_B)
+    back_b = output.index("back in rotation at gateway gw (model_0/" + RIG_B)
+    assert out_a < back_a < out_b < back_b, output[-6000:]
+    assert "expected answer(s) right" in output[out_a:back_a], output[out_a:back_a]
+    in_sandbox(
+        team["infos"][RIG_A], "grep -q -- '-c 3072' /etc/systemd/system/llama-server.service"
+    )
+    assert changed_operations(sandboxes.converge(changed)) == []
+    team["path"] = changed
+
+
+def test_one_rig_behind_the_gateway_holds_new_requests_while_it_restarts(team):
+    """rig-b leaves the gateway and a user joins while 4 clients stream (0 failed); then
+    rig-a, alone behind it, restarts for a context change: requests wait at the gateway and
+    are served, the longest first token within drain + restart + 10 s; with a hold bound
+    shorter than the restart, the waiting requests get the clear 503 and nothing else fails."""
+    keys = team["keys"]
+    keys["carol"] = _key(team["dir"], "carol")
+    alone = dict(fronted=(RIG_A,), users=(*USERS, "carol"), ctx=3072)
+    path = inventory(team["dir"] / "alone.yml", team["infos"], keys, **alone)
+    clients = Streaming(team, 4)
+    try:
+        time.sleep(2)
+        rollout(path)
+        time.sleep(2)
+    finally:
+        records = clients.finish()
+    broken = [record for record in records if not whole(record)]
+    assert records and not broken, broken[:5]
+    assert call(team, "/v1/models", key=key_of(team, "carol"))[0] == 200
+
+    path = inventory(team["dir"] / "alone-ctx.yml", team["infos"], keys, **{**alone, "ctx": 2048})
+    clients = Streaming(team, 4)
+    out = OutOfService(team, f"model_0,{RIG_A}")
+    try:
+        time.sleep(2)
+        rollout(path)
+        time.sleep(2)
+    finally:
+        records = clients.finish()
+        window = out.finish()
+    broken = [record for record in records if not whole(record)]
+    assert records and not broken, broken[:5]
+    longest = max(record["first"] - record["start"] for record in records)
+    assert 0 < window and longest <= window + 10, (longest, window)
+    print(
+        f"rig-a out of service {window:.1f} s; the longest wait for a first token {longest:.1f} s"
+    )
+
+    short = {**alone, "ctx": 2048, "hold_timeout": 1}
+    path = inventory(team["dir"] / "alone-short-hold.yml", team["infos"], keys, **short)
+    sandboxes.converge(path)  # the shorter hold first (the gateway's reload), then the change
+    path = inventory(
+        team["dir"] / "alone-short-hold-ctx.yml", team["infos"], keys, **{**short, "ctx": 3072}
+    )
+    clients = Streaming(team, 4)
+    try:
+        time.sleep(2)
+        rollout(path)
+        time.sleep(2)
+    finally:
+        records = clients.finish()
+    held_out = [r for r in records if r.get("status") == 503]
+    others = [r for r in records if r.get("status") != 503]
+    assert held_out, "no request waited past a 1 s hold during the restart"
+    assert all(json.loads(r["body"])["error"]["code"] == "overloaded" and r["retry_after"]
+               for r in held_out), held_out[:3]  # fmt: skip
+    assert all(whole(r) for r in others), [r for r in others if not whole(r)][:5]

@@ -33,6 +33,8 @@ DERIVED_GATEWAY_KEYS = {
 DERIVED_SERVER_KEYS = {
     "gateway_key_files": "is derived from the gateways that front this rig (their "
     "`gateway.rig_key_file`); set it on the gateway instead",
+    "gateways": "is derived from the gateways that front this rig (each gateway host and the "
+    "HAProxy servers that are this rig); set `gateway.fronts` on the gateway instead",
 }
 
 
@@ -375,3 +377,22 @@ def derive_gateways(hosts: dict[str, HostConfig], groups: dict[str, list[str]]) 
         gateway.data["gateway"]["backends"] = [
             {"model": model, "servers": servers} for model, servers in sorted(backends.items())
         ]
+        _derive_rotation(gateway, hosts)
+
+
+def backend_id(index: int) -> str:
+    """HAProxy's name of a gateway's backend: its place in `gateway.backends`."""
+    return f"model_{index}"
+
+
+def _derive_rotation(gateway: HostConfig, hosts: dict[str, HostConfig]) -> None:
+    """Each fronted rig's `server.gateways`: the gateway and the HAProxy servers (BACKEND/
+    SERVER) that are this rig there, which a restart of the rig takes out of rotation first."""
+    servers: dict[str, list[str]] = {}
+    for index, backend in enumerate(gateway.data["gateway"]["backends"]):
+        for server in backend["servers"]:
+            servers.setdefault(server["name"], []).append(f"{backend_id(index)}/{server['name']}")
+    for rig_name, names in servers.items():
+        hosts[rig_name].data["server"].setdefault("gateways", []).append(
+            {"host": gateway.name, "servers": names}
+        )

@@ -34,6 +34,7 @@ from llamarig.model.catalog import is_router, served_data
 from llamarig.model.files import model_files
 from llamarig.model.reference import HubError, hub_token_file
 from llamarig.onhost import checksums, deploy_record, hostpaths
+from llamarig.operations.rotation import Rotation
 from llamarig.planner import gateway, render
 from llamarig.planner.gather import plan_for
 from llamarig.planner.host_plan import HostPlan
@@ -213,15 +214,18 @@ def service_running(
     out_of_date: Callable[[], bool],
     why: str,
     drain_first: operations.Drain | None = None,
+    rotation: Rotation | None = None,
 ) -> tuple[OperationMeta, OperationMeta]:
     """The unit enabled and running, restarted when ``out_of_date()`` (``why`` names the
     inputs) unless this run just started it, after the requests in flight on ``drain_first``
-    (``operations.Drain``; None: no wait) finished; returns the start and the restart."""
+    (``operations.Drain``; None: no wait) finished, out of its gateways' ``rotation`` first
+    (None: no gateway); returns the start and the restart."""
     started = operations.unit_running(name=f"{service} enabled and running", unit=service)
     restarted = operations.restart_service(
         name=f"Restart {service} ({why})",
         service=service,
         drain_first=drain_first,
+        rotation=rotation,
         _if=lambda: out_of_date() and not started.did_change(),
     )
     return started, restarted

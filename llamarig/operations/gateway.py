@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import shlex
-import ssl
 from io import BytesIO
 from pathlib import Path, PurePosixPath
 from typing import IO
@@ -21,13 +20,7 @@ from llamarig.facts.files import FileState
 from llamarig.facts.gateway import GatewayStat, rigs_up
 from llamarig.operations.files import ATOMIC_SUFFIX, rename_into_place
 from llamarig.operations.host import fail
-
-
-def fingerprint(pem: str) -> str:
-    """A PEM certificate's SHA-256 fingerprint as browsers and ``openssl x509 -fingerprint``
-    print it (AB:CD:...)."""
-    digest = hashlib.sha256(ssl.PEM_cert_to_DER_cert(pem)).hexdigest().upper()
-    return ":".join(digest[i : i + 2] for i in range(0, len(digest), 2))
+from llamarig.tables.certificates import fingerprint
 
 
 @operation()

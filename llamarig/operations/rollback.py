@@ -16,6 +16,8 @@ from pyinfra.api import FunctionCommand, StringCommand, operation
 from llamarig.onhost import deploy_record
 from llamarig.onhost.httpbounds import HttpTimeouts
 from llamarig.operations.drain import Drain, drain
+from llamarig.operations.rotation import Rotation, back_in_rotation, guarded
+from llamarig.operations.rotation import callback as rotation_callback
 from llamarig.operations.serve import serving_check, wrong_answers
 from llamarig.operations.systemd import journal_tail_command, restart_command
 from llamarig.serving import pace
@@ -39,6 +41,7 @@ def serve_or_roll_back(
     presets: str | None = None,
     probe_model: str | None = None,
     models: tuple[str, ...] = (),
+    rotation: Rotation | None = None,
 ):
     """
     Wait until a (re)started llama-server serves, gives every expected answer and decodes
@@ -69,6 +72,10 @@ def serve_or_roll_back(
       router is rolled back), the model whose decode speed is measured, and every model's name
       (whose slots a drain waits for)
 
+    + rotation: the gateways in front of this rig, which the restart took it out of: it is
+      put back once the version that serves is checked, or after the rollback (their health
+      checks decide when it takes requests); None: no gateway
+
     Only call it when something was (re)started (guard it with ``_if=``): it always runs.
 
     **Example:**
@@ -96,14 +103,21 @@ def serve_or_roll_back(
         check=serving_check(base_url, service, timeout, http_timeouts, presets),
         roll_back=_roll_back(service, files, last_good),
     )
-    yield _serves_else_roll_back(trial)
+    steps: list[str | FunctionCommand] = [_serves_else_roll_back(trial)]
     if answers:
-        yield FunctionCommand(_answers_right(trial, answers), (), {})
+        steps.append(FunctionCommand(_answers_right(trial, answers), (), {}))
     if max_slowdown is not None:
         server = Drain(base_url, drain_timeout, http_timeouts, service=service, models=models)
         keep_pace = _keeps_pace(trial, max_slowdown, model, probe_model, server)
-        yield FunctionCommand(keep_pace, (), {})
-    yield _kept_as_last_good(trial)
+        steps.append(FunctionCommand(keep_pace, (), {}))
+    steps.append(_kept_as_last_good(trial))
+    if rotation is None:
+        yield from steps
+        return
+    # Checked with no user on it: the gateways send it nothing until every step passed, or
+    # a step failed and rolled back.
+    yield from (guarded(step, rotation) for step in steps)
+    yield rotation_callback(back_in_rotation, rotation)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,6 +23,8 @@ from llamarig.onhost.hostpaths import CURL_AUTH
 from llamarig.onhost.httpbounds import HttpTimeouts
 from llamarig.operations.drain import Drain, drain
 from llamarig.operations.host import connected_host, fail
+from llamarig.operations.rotation import Rotation, out_of_rotation
+from llamarig.operations.rotation import callback as rotation_callback
 from llamarig.operations.systemd import journal_tail_command, restart_command
 from llamarig.serving.answers import Answer, verdict
 from llamarig.serving.answers import check_command as answer_check_command
@@ -149,6 +151,7 @@ def reload_presets(
     http_timeouts: HttpTimeouts,
     unloading: tuple[str, ...] = (),
     drain_timeout: int = 0,
+    rotation: Rotation | None = None,
 ):
     """
     Make a running llama-server router read its presets file again (``GET /models?reload=1``):
@@ -163,6 +166,8 @@ def reload_presets(
     + http_timeouts: the server's server.http_timeouts (the connect bound; each look at /slots)
     + unloading: the models the reload unloads (``render.unloaded_by_reload``)
     + drain_timeout: seconds to wait for their requests in flight (server.drain_timeout)
+    + rotation: the gateways in front of this rig: when the reload unloads a model, the rig is
+      taken out of their rotation first (``serve_or_roll_back`` puts it back once checked)
 
     **Example:**
 
@@ -177,6 +182,8 @@ def reload_presets(
             drain_timeout=120,
         )
     """
+    if unloading and rotation:
+        yield rotation_callback(out_of_rotation, rotation)
     if unloading and drain_timeout > 0:
         server = Drain(base_url, drain_timeout, http_timeouts, service=service, models=unloading)
 

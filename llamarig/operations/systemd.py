@@ -12,10 +12,14 @@ from llamarig.facts.cache import known
 from llamarig.facts.systemd import UnitState
 from llamarig.operations.drain import Drain, drain_before_restart
 from llamarig.operations.host import fail
+from llamarig.operations.rotation import Rotation, out_of_rotation
+from llamarig.operations.rotation import callback as rotation_callback
 
 
 @operation(is_idempotent=False)
-def restart_service(service: str, drain_first: Drain | None = None):
+def restart_service(
+    service: str, drain_first: Drain | None = None, rotation: Rotation | None = None
+):
     """
     Restart a systemd service on purpose: its start rate limit (meant for crash loops) is
     reset first, so a run of deliberate deploys is never refused with "start request repeated
@@ -24,6 +28,8 @@ def restart_service(service: str, drain_first: Drain | None = None):
     + service: unit name, e.g. ``llama-server.service``
     + drain_first: the llama-server whose requests in flight to wait for before the restart
       (``Drain``: on this host, or on another one over its own connection); None: no wait
+    + rotation: the gateways in front of this rig (``Rotation``): it is taken out of their
+      rotation first (``serve_or_roll_back`` puts it back once checked); None: no gateway
 
     **Example:**
 
@@ -39,6 +45,8 @@ def restart_service(service: str, drain_first: Drain | None = None):
             ),
         )
     """
+    if rotation:
+        yield rotation_callback(out_of_rotation, rotation)
     if drain_first:
 
         def drained(state, host) -> bool:

@@ -8,9 +8,10 @@ import hashlib
 import json
 
 from llamarig.config.addresses import WILDCARD_HOSTS
-from llamarig.config.gateways import read_key
+from llamarig.config.gateways import backend_id, read_key, runs_gateway
 from llamarig.onhost import hostpaths
-from llamarig.planner.render import render_file
+from llamarig.planner.render import render_env_file, render_file, render_unit
+from llamarig.tables.text import printable
 
 SERVICE = "haproxy.service"
 PACKAGES = ["haproxy", "socat", "openssl"]
@@ -18,10 +19,12 @@ PACKAGES = ["haproxy", "socat", "openssl"]
 # /props and /metrics stay theirs).
 API_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 CONNECT_TIMEOUT_S = 5
-
-
-def backend_id(index: int) -> str:
-    return f"model_{index}"
+# Where the deploy copies each gateway's certificate (HOST.crt), beside the inventory file.
+CERTIFICATES_DIR = "gateway-certs"
+# Where the backup server that holds requests "connects": a socket nothing listens on. Its
+# name, `_hold`, is no inventory host's (they begin with a letter or digit).
+HOLD_SERVER = "_hold"
+HOLD_ADDRESS = "unix@/run/llamarig-gateway-hold.sock"
 
 
 def _address(address: str) -> str:
@@ -56,6 +59,10 @@ def config_context(data: dict) -> dict:
         "models_json": hostpaths.GATEWAY_MODELS_JSON,
         "known_models_json": json.dumps([backend["model"] for backend in backends]),
         "queue_timeout": gateway["queue_timeout"],
+        # A retry comes about a second after a failed connection (timeout connect is longer).
+        "hold_retries": gateway["hold_timeout"],
+        "hold_address": HOLD_ADDRESS,
+        "hold_server": HOLD_SERVER,
         "connect_timeout": CONNECT_TIMEOUT_S,
         "idle_timeout": gateway["idle_timeout"],
         "body_limit": gateway["max_body_kib"] * 1024,
@@ -136,3 +143,119 @@ def certificate_names(data: dict) -> list[str]:
     if reached and reached not in names:
         names.append(reached)
     return names
+
+
+def summary(data: dict) -> dict:
+    """What a host's gateway does, from its data (`llamarig plan --json`): where it listens,
+    its TLS, its users (names, never keys), the rigs behind each model and its bounds."""
+    gateway = data["gateway"]
+    tls = gateway["tls"]
+    return {
+        "listen": f"https://{_address(gateway['host'])}:{gateway['port']}",
+        "tls": (
+            {"source": "given", "cert_file": tls["cert_file"], "key_file": tls["key_file"]}
+            if tls["cert_file"]
+            else {"source": "self-signed", "names": certificate_names(data)}
+        ),
+        "users": [user["name"] for user in gateway["users"]],
+        "models": [
+            {"model": backend["model"], "rigs": [dict(server) for server in backend["servers"]]}
+            for backend in gateway["backends"]
+        ],
+        "queue_timeout_s": gateway["queue_timeout"],
+        "idle_timeout_s": gateway["idle_timeout"],
+        "max_body_kib": gateway["max_body_kib"],
+        "max_connections": gateway["max_connections"],
+        "metrics": f"http://{_address(gateway['metrics']['host'])}:{gateway['metrics']['port']}"
+        "/metrics",
+    }
+
+
+def _slots(count: int) -> str:
+    return f"{count} slot{'' if count == 1 else 's'}"
+
+
+def describe(data: dict) -> list[str]:
+    """The gateway of a host as `llamarig plan` shows it, one line each (escaped: names and
+    file names come from the inventory)."""
+    told = summary(data)
+    tls = told["tls"]
+    if tls["source"] == "given":
+        certificate = f"TLS: your certificate {tls['cert_file']} and key {tls['key_file']}"
+    else:
+        names = ", ".join(tls["names"]) or "no name (set gateway.tls.names)"
+        certificate = (
+            f"TLS: self-signed, made on the first deploy, for {names}; clients trust its copy "
+            f"in {CERTIFICATES_DIR}/ beside the inventory"
+        )
+    users = told["users"]
+    lines = [
+        f"listen {told['listen']}",
+        certificate,
+        f"users: {len(users)} ({', '.join(users)})"
+        if users
+        else "users: none (every request gets 401 until gateway.users lists one)",
+    ]
+    for model in told["models"]:
+        rigs = ", ".join(
+            f"{rig['name']} at {_address(rig['address'])}:{rig['port']} ({_slots(rig['slots'])})"
+            for rig in model["rigs"]
+        )
+        lines.append(f"model {model['model']}: {rigs}")
+    lines += [
+        f"queue_timeout {told['queue_timeout_s']} s: a request waits that long for a free "
+        "slot, then 503 with Retry-After",
+        f"max body {told['max_body_kib']} KiB (larger: 413); at most "
+        f"{told['max_connections']} connections",
+        f"metrics {told['metrics']}",
+    ]
+    return [printable(line) for line in lines]
+
+
+def fronted_by(hosts: dict[str, dict]) -> dict[str, list[str]]:
+    """Each rig's gateways, from every host's (derived) data: host name -> data."""
+    fronting: dict[str, list[str]] = {}
+    for name, data in hosts.items():
+        for backend in data["gateway"].get("backends", []):
+            for server in backend["servers"]:
+                gateways = fronting.setdefault(server["name"], [])
+                if name not in gateways:
+                    gateways.append(name)
+    return fronting
+
+
+def plan_views(inventory, plans: dict, names: list[str]) -> dict[str, tuple]:
+    """Each of ``names`` (hosts of ``inventory``) as `llamarig plan` shows it: its data, its
+    plan in ``plans`` (None: a gateway alone), the gateways in front of it, which may be hosts
+    that --host leaves out."""
+    hosts = {name: host.data for name, host in inventory.hosts.items()}
+    fronting = fronted_by(hosts)
+    return {name: (hosts[name], plans.get(name), fronting.get(name)) for name in names}
+
+
+def plan_lines(
+    name: str, data: dict, plan, gateways: list[str] | None, unit: bool = False
+) -> list[str]:
+    """A host as `llamarig plan` shows it: its rig ``plan``'s report (None: a gateway alone,
+    which has none), the gateways in front of it, the gateway it runs; with ``unit``, the
+    rig's unit and env file last."""
+    lines = [plan.report()] if plan else [f"== {name}: gateway (serves no model)"]
+    if gateways:
+        lines.append(f"  behind gateway(s) {', '.join(gateways)}")
+    if runs_gateway(data):
+        described = [f"{'  ' if plan is None else '    '}{line}" for line in describe(data)]
+        lines += described if plan is None else ["  gateway:", *described]
+    if plan and unit and plan.server_args_ready:
+        lines += [render_unit(plan.resolved), render_env_file(plan.resolved)]
+    return lines
+
+
+def plan_document(data: dict, plan, gateways: list[str] | None) -> dict:
+    """A host as `llamarig plan --json` shows it: its rig ``plan`` (a gateway alone has none:
+    ``fits``, as nothing needs to), its "gateway", the gateways in front of it."""
+    document = plan.to_json() if plan else {"role": "gateway", "fits": True}
+    if runs_gateway(data):
+        document["gateway"] = summary(data)
+    if gateways:
+        document["behind_gateways"] = gateways
+    return document

@@ -1,6 +1,9 @@
 """`llamarig status`: what each host serves now, read from the host over SSH (no port opened):
 the unit and its uptime, the build running and the one deployed, the model, the slots, the
-tokens per second over a window, each GPU's memory against the plan, and the last deploy.
+tokens per second over a window, each GPU's memory against the plan, and the last deploy. A
+host that runs the team gateway shows it too (``gateway_status``): HAProxy's unit, each model's
+rigs as HAProxy sees them, its totals and its certificate's fingerprint; a gateway alone
+(`role: gateway`) runs no llama-server and shows only that.
 
 One SSH command per host gathers everything (`probe_command`); the host's own shell sleeps
 through the window between the two reads of llama-server's /metrics counter, and every request
@@ -20,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from llamarig.config import HostConfig
+from llamarig.config.gateways import runs_gateway
 from llamarig.config.ssh import SshTarget
 from llamarig.model.catalog import is_router, model_alias, model_views
 from llamarig.model.reference import HubError
@@ -28,6 +32,8 @@ from llamarig.onhost.httpbounds import HttpTimeouts
 from llamarig.onhost.progress import format_duration
 from llamarig.planner import render
 from llamarig.planner.gather import host_plan
+from llamarig.serving import gateway_status
+from llamarig.serving.gateway_status import GatewayStatus
 from llamarig.tables.text import printable
 
 CONNECT_TIMEOUT_S = 10
@@ -79,11 +85,22 @@ class HostStatus:
     # unloaded, loading; "unloaded, failed (exit N)" after a load that failed).
     models: dict[str, str] = field(default_factory=dict)
     router: bool = False
+    role: str = ""  # the inventory's: standalone, rpc-head, rpc-worker or gateway (no server)
+    gateway: GatewayStatus | None = None  # the team gateway it runs, as HAProxy tells it
+
+
+def section(name: str) -> str:
+    return f"echo '{SECTION}{name}'"
 
 
 def probe_command(data: dict, window: float) -> str:
     """The shell command that prints every section `parse` reads, the window slept on the host
-    between the two reads of the tokens counter."""
+    between the two reads of the tokens counter; a gateway alone's has no server's sections."""
+    if data["role"] == "gateway":
+        lines = [section("uptime"), "cut -d' ' -f1 /proc/uptime"]
+        lines += gateway_status.probe_lines(section)
+        lines += [section("deploy"), f"cat -- {shlex.quote(deploy_record.RECORD_PATH)} 2>/dev/null"]
+        return _steps(lines)
     worker = data["role"] == "rpc-worker"
     service = data["rpc" if worker else "server"]["service"] + ".service"
     paths = render.layout(data)
@@ -91,10 +108,6 @@ def probe_command(data: dict, window: float) -> str:
     curl = f"curl -sS -f {HttpTimeouts.of(data).options('probe')} {hostpaths.CURL_AUTH} --"
     base = render.base_url(data)
     metrics, slots = shlex.quote(f"{base}/metrics"), shlex.quote(f"{base}/slots")
-
-    def section(name: str) -> str:
-        return f"echo '{SECTION}{name}'"
-
     lines = [
         section("unit"),
         f"systemctl show -p ActiveState -p SubState -p MainPID -p NRestarts "
@@ -130,8 +143,15 @@ def probe_command(data: dict, window: float) -> str:
         section("deploy"),
         f"cat -- {shlex.quote(deploy_record.RECORD_PATH)} 2>/dev/null",
     ]
-    # A step that fails (no server, no nvidia-smi) leaves its section empty, never the rest.
-    return "\n".join(line if line.startswith("echo") else f"{line} || true" for line in lines)
+    if runs_gateway(data):
+        lines += gateway_status.probe_lines(section)
+    return _steps(lines)
+
+
+def _steps(lines: list[str]) -> str:
+    """The lines as one command: a step that fails (no server, no nvidia-smi, no socat) leaves
+    its section empty, never the rest."""
+    return "\n".join(line if line.startswith(section("")) else f"{line} || true" for line in lines)
 
 
 def sections(output: str) -> dict[str, list[str]]:
@@ -200,8 +220,18 @@ def _metric(lines: list[str], name: str) -> float | None:
 def parse(name: str, data: dict, output: str) -> HostStatus:
     """A host's row from `probe_command`'s output."""
     found = sections(output)
+    gateway = gateway_status.parse(data, found) if runs_gateway(data) else None
+    if data["role"] == "gateway":
+        row = HostStatus(host=name, role="gateway", gateway=gateway)
+        row.last_deploy = deploy_record.parse("\n".join(found.get("deploy", [])))
+        return row
     worker = data["role"] == "rpc-worker"
-    row = HostStatus(host=name, unit=data["rpc" if worker else "server"]["service"] + ".service")
+    row = HostStatus(
+        host=name,
+        unit=data["rpc" if worker else "server"]["service"] + ".service",
+        role=data["role"],
+        gateway=gateway,
+    )
     unit = dict(line.partition("=")[::2] for line in found.get("unit", []))
     row.active = f"{unit.get('ActiveState', 'unknown')}/{unit.get('SubState', 'unknown')}"
     if not worker and data["server"]["supervisor"] == "none":
@@ -342,7 +372,7 @@ def host_status(host_config: HostConfig, window: float) -> HostStatus:
         said = (result.stderr.strip().splitlines() or [f"exit status {result.returncode}"])[-1]
         return HostStatus(host=host_config.name, error=f"not reachable: {said}")
     row = parse(host_config.name, data, result.stdout)
-    if data["role"] != "rpc-worker":
+    if data["role"] not in ("rpc-worker", "gateway"):
         _compare_with_plan(row, host_config)
     return row
 
@@ -369,6 +399,26 @@ def report(row: HostStatus) -> str:
     most of it is what the box printed."""
     if row.error:
         return printable(f"{row.host}: {row.error}")
+    lines = [f"{row.host}: gateway (no llama-server)"] if row.role == "gateway" else _rig_lines(row)
+    if row.gateway is not None:
+        lines += gateway_status.report_lines(row.gateway)
+    deploy = row.last_deploy
+    if deploy is None:
+        lines.append("  deploy   no record (not deployed by this llamarig, or before records)")
+    elif deploy["outcome"] == "converged":
+        lines.append(
+            f"  deploy   {deploy['finished']}: converged, {deploy['changed']} operation(s) changed"
+        )
+    else:
+        rolled = "; rolled back to the last version that served" if deploy["rolled_back"] else ""
+        lines.append(
+            f"  deploy   {deploy['finished']}: failed at {deploy['failed_operation']!r}{rolled}"
+        )
+    return "\n".join(printable(line) for line in lines)
+
+
+def _rig_lines(row: HostStatus) -> list[str]:
+    """The rig's own lines: its unit, build, model, slots, speed and GPUs (unescaped)."""
     state = f"{row.unit} {row.active}"
     if row.uptime_s is not None:
         state += f" for {format_duration(row.uptime_s)}"
@@ -403,19 +453,7 @@ def report(row: HostStatus) -> str:
         lines.append(f"  gpu {gpu.index}    {gpu.used_mib:,} of {gpu.total_mib:,} MiB used{plan}")
     if row.plan_note:
         lines.append(f"  plan     {row.plan_note}")
-    deploy = row.last_deploy
-    if deploy is None:
-        lines.append("  deploy   no record (not deployed by this llamarig, or before records)")
-    elif deploy["outcome"] == "converged":
-        lines.append(
-            f"  deploy   {deploy['finished']}: converged, {deploy['changed']} operation(s) changed"
-        )
-    else:
-        rolled = "; rolled back to the last version that served" if deploy["rolled_back"] else ""
-        lines.append(
-            f"  deploy   {deploy['finished']}: failed at {deploy['failed_operation']!r}{rolled}"
-        )
-    return "\n".join(printable(line) for line in lines)
+    return lines
 
 
 def as_json(rows: list[HostStatus]) -> str:
@@ -423,10 +461,15 @@ def as_json(rows: list[HostStatus]) -> str:
 
 
 def healthy(row: HostStatus) -> bool:
-    """The host answered and its service is active, or, without a unit, its server answered
-    (the exit status of `llamarig status`)."""
+    """The host answered and its service is active, or, without a unit, its server answered;
+    a host that runs the gateway also needs HAProxy active with a rig up for every model (the
+    exit status of `llamarig status`)."""
     if row.error is not None:
         return False
+    if row.gateway is not None and not gateway_status.healthy(row.gateway):
+        return False
+    if row.role == "gateway":
+        return row.gateway is not None
     if row.active.startswith("no unit"):
         return row.slots_total is not None
     return row.active.startswith("active/")
