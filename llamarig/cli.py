@@ -6,7 +6,6 @@ import argparse
 import copy
 import json
 import os
-import re
 import shlex
 import subprocess
 import sys
@@ -20,19 +19,25 @@ from llamarig.checks.runner import verify_host
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
 from llamarig.config.lock import lock_path, record_header, resolved
 from llamarig.config.problems import Problem, located
-from llamarig.config.shapes import SHA256_HEX, address_problem, host_name_problem, url_problem
+from llamarig.config.shapes import host_name_problem
 from llamarig.config.ssh import SshTarget
-from llamarig.config.ssh_trust import _host_key_known
 from llamarig.model.catalog import MODEL_NAME, model_views
 from llamarig.model.gguf import GgufError
 from llamarig.model.reference import HubError
 from llamarig.onhost import hostpaths
 from llamarig.onhost.httpbounds import HttpTimeouts
-from llamarig.planner import render
-from llamarig.planner.enroll import ProbeError, host_entry, inventory_document, probe, render_entry
+from llamarig.planner import gateway, render
+from llamarig.planner.enroll import (
+    ProbeError,
+    argument_problems,
+    host_entry,
+    inventory_document,
+    probe,
+    render_entry,
+)
 from llamarig.planner.gather import Gathered, plan_for, run_on_host, shell_reader
 from llamarig.planner.host_plan import HostPlan
-from llamarig.serving import answers, status
+from llamarig.serving import answers, rollout, status
 from llamarig.serving.tune import TuneError, tune_host
 from llamarig.tables.text import printable
 
@@ -59,12 +64,15 @@ def _chosen_hosts(args: argparse.Namespace) -> dict[str, HostConfig]:
 PROVISIONAL_STATUS = 3
 
 
-def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered]]:
-    """Each chosen host's plan (a Hugging Face reference resolved) and what it read; refused
-    when a reference cannot be resolved. The host is contacted only with --probe; a local
-    host's model file is read in place."""
+def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered] | None]:
+    """Each chosen host's plan (a Hugging Face reference resolved) and what it read; None for
+    a gateway alone, which has no model to plan. Refused when a reference cannot be resolved.
+    The host is contacted only with --probe; a local host's model file is read in place."""
     found = {}
     for name, host_config in _chosen_hosts(args).items():
+        if host_config.data["role"] == "gateway":
+            found[name] = None
+            continue
         try:
             data = resolved(host_config.data, update=args.update_models or None)
         except HubError as error:
@@ -78,18 +86,17 @@ def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered]]:
 
 def _plan(args: argparse.Namespace) -> int:
     planned = _planned(args)
-    plans = {name: host_plan for name, (host_plan, _) in planned.items()}
-    for name, (_, gathered) in planned.items():  # what the host told that the plan set aside
-        for warning in gathered.warnings:
+    plans = {name: found[0] for name, found in planned.items() if found}
+    for name, found in planned.items():  # what the host told that the plan set aside
+        for warning in found[1].warnings if found else []:
             print(f"{name}: {printable(warning)}", file=sys.stderr)
+    views = gateway.plan_views(load_inventory(), plans, list(planned))
     if args.json:
-        print(json.dumps({"hosts": {n: p.to_json() for n, p in plans.items()}}, indent=2))
+        documents = {name: gateway.plan_document(*view) for name, view in views.items()}
+        print(json.dumps({"hosts": documents}, indent=2))
     else:
-        for host_plan in plans.values():
-            print(host_plan.report())
-            if args.unit and host_plan.server_args_ready:
-                print(render.render_unit(host_plan.resolved))
-                print(render.render_env_file(host_plan.resolved))
+        for name, view in views.items():
+            print("\n".join(gateway.plan_lines(name, *view, unit=args.unit)))
     if not all(p.fits for p in plans.values()):
         return 1
     if any(p.blind for p in plans.values()) and not args.allow_provisional:
@@ -100,11 +107,12 @@ def _plan(args: argparse.Namespace) -> int:
 def _lock(args: argparse.Namespace) -> int:
     """Record in models.lock.yml the GGUF header of each model file the planner reads."""
     lock, status = lock_path(), 0
-    for name, (host_plan, gathered) in _planned(args).items():
-        data = host_plan.resolved
-        if data["llama_cpp"]["backend"] != "cuda" or data["role"] == "rpc-worker":
+    for name, found in _planned(args).items():
+        data = found[0].resolved if found else None  # None: a gateway alone
+        if not data or data["llama_cpp"]["backend"] != "cuda" or data["role"] == "rpc-worker":
             print(f"{name}: nothing to record (only a CUDA rig's plan reads the model's header)")
             continue
+        gathered = found[1]
         if gathered.header is None:
             print(f"{name}: no header to record: {gathered.header_note}", file=sys.stderr)
             status = 1
@@ -119,13 +127,19 @@ def _lock(args: argparse.Namespace) -> int:
     return status
 
 
+# Hosts `complete` does not ask: neither runs a llama-server that takes llamarig's key.
+NOT_ASKED = {
+    "rpc-worker": "an rpc-worker: ask its head, which serves the model",
+    "gateway": "a gateway: ask through it with a user's key (README 'A team endpoint')",
+}
+
+
 def _complete(args: argparse.Namespace) -> int:
     status = 0
     for name, host_config in _chosen_hosts(args).items():
         data = host_config.data
-        if data["role"] == "rpc-worker":
-            # A worker runs no llama-server: whatever listens at server.port there gets no key.
-            print(f"{name} is an rpc-worker: ask its head, which serves the model", file=sys.stderr)
+        if data["role"] in NOT_ASKED:
+            print(f"{name} is {NOT_ASKED[data['role']]}", file=sys.stderr)
             status = 2
             continue
         path, body = answers.greedy_request(args.prompt, args.chat, args.tokens)
@@ -208,6 +222,8 @@ def _run(args: argparse.Namespace) -> int:
             f"({', '.join(inventory.hosts)})"
         )
     data = inventory.hosts[names[0]].data
+    if data["role"] == "gateway":
+        raise _Refusal(f"llamarig: {names[0]} is a gateway: no llama-server to start; run a rig")
     launcher = [render.layout(data)["launcher"], *args.server_args]
     if data["server"]["supervisor"] == "systemd":
         print(
@@ -232,70 +248,10 @@ MODEL_HINT = (
 )
 
 INIT_REACH_TIMEOUT_S = 60
-# A login name as the loader takes `ssh.user` (llamarig/config/shapes.py): never an ssh option.
-LOGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-
-
-def _init_problems(args: argparse.Namespace) -> list[str]:
-    """What is wrong with init's own arguments, found before the box is contacted."""
-    problems = []
-    address = address_problem(args.address, "--port", "--user") if args.address else None
-    if address:
-        problems.append(f"--address: {address}")
-    elif not args.address and not args.local:
-        problems.append("give the box's address (--address HOST) or --local")
-    if not 0 < args.port < 65536:
-        problems.append(f"--port: {args.port} is not a TCP port (1-65535)")
-    if "@" in args.user:
-        problems.append(f"--user: '{printable(args.user)}' holds an address: give it in --address")
-    elif not LOGIN_NAME.fullmatch(args.user):
-        problems.append(
-            f"--user: '{printable(args.user)}' is not a login name (letters, digits, `_`, `.`, "
-            "`-`; not starting with `-`), e.g. root"
-        )
-    for flag, value in (("--key", args.key), ("--known-hosts", args.known_hosts)):
-        if value and not Path(os.path.expanduser(value)).is_file():
-            problems.append(f"{flag}: there is no file {printable(value)}")
-    known_hosts = os.path.expanduser(args.known_hosts or "")
-    if args.address and not address and 0 < args.port < 65536 and os.path.isfile(known_hosts):
-        # ssh checks the key strictly: a file without it would fail only after the connection.
-        known = _host_key_known(known_hosts, args.address, args.port)
-        if known is False:
-            name = args.address if args.port == 22 else f"[{args.address}]:{args.port}"
-            problems.append(
-                f"--known-hosts: {printable(args.known_hosts)} has no key for {name}, and init "
-                "checks host keys strictly: add the box's key first (docs/inventory.md, Enrolling "
-                f"a new box: `ssh-keyscan -p {args.port} {args.address}`, and compare the "
-                "fingerprint with the box's console)"
-            )
-    if args.model and (model := url_problem(args.model, ("http", "https"), "download over https")):
-        problems.append(f"--model: {model}")
-    if args.model and not args.sha256:
-        problems.append("--model needs --sha256: the model file's sha256 (sha256sum FILE)")
-    if args.sha256 and not SHA256_HEX.fullmatch(args.sha256):
-        problems.append(
-            f"--sha256: {args.sha256!r} is not a sha256: 64 lowercase hex digits (sha256sum FILE)"
-        )
-    if args.sha256 and not args.model:
-        problems.append("--sha256 without --model: give the model's URL with --model")
-    if args.output:
-        target = Path(args.output)
-        if target.is_dir():
-            problems.append(
-                f"--output: {printable(target)} is a directory: give a file, e.g. "
-                f"{printable(target)}/rig.yml"
-            )
-        elif not target.parent.is_dir():
-            problems.append(
-                f"--output: there is no directory {printable(target.parent)} to write it in"
-            )
-        elif target.exists() and not args.force:
-            problems.append(f"--output: {printable(target)} exists (pass --force to replace it)")
-    return problems
 
 
 def _init(args: argparse.Namespace) -> int:
-    problems = _init_problems(args)
+    problems = argument_problems(args)
     if problems:
         raise _Refusal("\n".join(f"llamarig init: {problem}" for problem in problems))
     if args.local:
@@ -638,6 +594,16 @@ def _run_parser(commands: argparse._SubParsersAction) -> argparse.ArgumentParser
     return parser
 
 
+def _rollout_parser(commands) -> argparse.ArgumentParser:
+    parser = commands.add_parser(
+        "rollout",
+        help="the deploy, run through the rigs a gateway fronts a few at a time "
+        "(gateway.max_unavailable), each out of rotation while it changes: no request fails",
+    )
+    parser.add_argument("pyinfra_args", nargs="*", help="more pyinfra arguments (after --)")
+    return parser
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line: each verb's parser, whose ``handler`` default is the verb's function."""
     parser = argparse.ArgumentParser(prog="llamarig", description=__doc__)
@@ -651,6 +617,7 @@ def _parser() -> argparse.ArgumentParser:
         (_tune_parser, _tune),
         (_status_parser, _status),
         (_run_parser, _run),
+        (_rollout_parser, lambda args: rollout.rollout(load_inventory(), args.pyinfra_args)),
     ):
         add_parser(commands).set_defaults(handler=handler)
     commands.add_parser(  # listed only: main hands its arguments to llamarig_sandbox

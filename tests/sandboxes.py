@@ -4,6 +4,7 @@ an inventory, run commands in a sandbox, boot one for a test module."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import subprocess
 import sys
@@ -43,6 +44,14 @@ def deploy_watched(inventory: Path, on_line: Callable[[str], None]) -> tuple[int
             lines.append(line)
             on_line(line)
     return run.returncode, "".join(lines)
+
+
+def failure_lines(result: subprocess.CompletedProcess, most: int = 80) -> str:
+    """What a failed deploy said of its failure: the lines that name an error, a refusal or a
+    traceback (its output's tail alone is pyinfra's table of results)."""
+    output = (result.stdout + result.stderr).splitlines()
+    said = [line for line in output if re.search(r"rror|llamarig:|Traceback|xception", line)]
+    return "\n".join(said[-most:])
 
 
 def converge(inventory: Path) -> dict:

@@ -113,3 +113,24 @@ def test_a_reload_keeps_the_saved_state_only_of_servers_whose_address_and_port_s
     ).stdout.splitlines()
     assert kept[:2] == SAVED_STATE.splitlines()[:2]
     assert [line.split()[3] for line in kept[2:]] == ["rig1"], kept
+
+
+@pytest.mark.parametrize("exit_status", [0, 3])
+def test_a_guarded_step_runs_as_its_operation_would_and_says_what_it_printed(tmp_path, exit_status):
+    """A step of serve_or_roll_back wrapped for a rig behind a gateway (here none is reached:
+    an empty rotation) keeps its outcome and its output."""
+    marker = tmp_path / "ran"
+    body = f"""
+    from pyinfra.api import operation
+    from llamarig.operations.rotation import Rotation, guarded
+
+    @operation(is_idempotent=False)
+    def step():
+        yield guarded("echo said-by-the-step; touch {marker}; exit {exit_status}", Rotation((), 5))
+
+    step()
+    """
+    status, _, stderr = run_deploy(tmp_path, body, "-v")
+    assert marker.exists()
+    assert (status == 0) == (exit_status == 0), stderr
+    assert "said-by-the-step" in stderr, stderr[-2000:]

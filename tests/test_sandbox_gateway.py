@@ -132,7 +132,7 @@ def team(tmp_path_factory):
         infos = {name: next(sandbox) for name, sandbox in booted.items()}
         path = inventory(directory / "team.yml", infos, keys)
         result = sandboxes.deploy(path)
-        assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
+        assert result.returncode == 0, sandboxes.failure_lines(result)
         yield {"infos": infos, "keys": keys, "path": path, "dir": directory, "first": result}
     finally:
         for sandbox in booted.values():
@@ -217,6 +217,20 @@ def test_every_model_answers_by_name_through_tls_with_a_users_key(team):
     # The user's name on each request's log line, never the key.
     assert re.search(r"user=alice model=\"smollm2\" model_0/", log), log[-3000:]
     assert key_of(team, "alice") not in log
+
+
+def test_verify_checks_the_gateway_and_skips_the_rig_checks_there(team):
+    from llamarig.checks.conftest import GATEWAY_ONLY
+
+    result = sandboxes.verify(team["path"], "-v")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    runs = dict(part.split("\n", 1) for part in result.stdout.split("== verify ")[1:])
+    passed = re.findall(r"test_gateway\.py::(\w+)\[[^\]]*\] PASSED", runs["gw"])
+    assert len(passed) == 9 and len(set(passed)) == 7, runs["gw"][-4000:]
+    assert GATEWAY_ONLY in runs["gw"]
+    for rig in (RIG_A, RIG_B):
+        assert len(re.findall(r"test_gateway\.py::\w+\[[^\]]*\] SKIPPED", runs[rig])) == 9
+        assert "this host runs no gateway" in runs[rig]
 
 
 def test_a_wrong_key_gets_401_and_never_reaches_a_rig(team):
@@ -304,6 +318,9 @@ def test_a_revoked_user_is_refused_at_the_next_request(team):
     revoked = inventory(team["dir"] / "revoked.yml", team["infos"], team["keys"], users=("alice",))
     applied = changed_operations(sandboxes.converge(revoked))
     assert any(name.startswith("Users' key hashes") for name in applied), applied
+    # verify against the inventory that still lists bob: the gateway no longer has his hash.
+    stale = sandboxes.verify(team["path"], "-k", "test_users_map")
+    assert stale.returncode != 0 and "lacks the key of bob" in stale.stdout, stale.stdout[-3000:]
     body = {"model": "smollm2", "messages": [QUESTION], "max_tokens": 4}
     assert call(team, "/v1/chat/completions", body, key_of(team, "bob"))[0] == 401
     assert call(team, "/v1/chat/completions", body, key_of(team, "alice"))[0] == 200

@@ -1,6 +1,8 @@
 """`llamarig verify` glue: the ssh configuration it hands testinfra and the expectations file."""
 
+import copy
 import json
+import os
 import re
 from types import SimpleNamespace
 
@@ -216,3 +218,245 @@ def test_the_gpu_check_asks_for_the_processes_that_hold_models(models, apps, chi
     else:
         with pytest.raises(pytest.skip.Exception, match="no model loaded"):
             check(host, data, H200, "100")
+
+
+# --- the gateway's checks (llamarig/checks/test_gateway.py) ---------------------------------
+
+
+class GatewayHost:
+    """A testinfra host of a gateway: ``files`` by path (content, owner, mode), and what each
+    command prints (``outputs``: the first whose key starts the command)."""
+
+    def __init__(self, files: dict[str, tuple[str, str, int]], outputs: dict[str, str]) -> None:
+        self.files, self.outputs = files, outputs
+
+    def file(self, path: str):
+        if path not in self.files:
+            return SimpleNamespace(exists=False)
+        content, user, mode = self.files[path]
+        return SimpleNamespace(exists=True, content_string=content, user=user, mode=mode)
+
+    def exists(self, command: str) -> bool:
+        return command == "ss"
+
+    def run(self, command: str):
+        said = next((out for start, out in self.outputs.items() if command.startswith(start)), "")
+        return SimpleNamespace(rc=0, stdout=said, stderr="")
+
+
+USERS_MAP = "/etc/haproxy/llamarig/users.map"
+ALICE, BOB = ("a" * 64, "alice"), ("b" * 64, "bob")
+EXPECTED_USERS = {"users": [{"sha256": ALICE[0], "name": "alice"}]}
+
+
+@pytest.mark.parametrize(
+    "lines, said",
+    [
+        ([ALICE], None),
+        # bob removed from the inventory (revoked) but still in the map.
+        ([ALICE, BOB], "holds entries of no user of the inventory: bob"),
+        # alice's key replaced in the inventory; the map holds her old one.
+        ([("c" * 64, "alice")], "lacks the key of alice; holds entries of no user of the "),
+        ([ALICE, ("x",)], "holds entries of no user of the inventory: (a line not `SHA256 NAME`)"),
+    ],
+)
+def test_the_users_map_must_hold_exactly_the_inventorys_users(lines, said):
+    from llamarig.checks import test_gateway
+
+    text = "# Managed by llamarig\n" + "".join(" ".join(line) + "\n" for line in lines)
+    host = GatewayHost({USERS_MAP: (text, "root", 0o600)}, {})
+    check = test_gateway.test_users_map_holds_exactly_the_users
+    if said is None:
+        check(host, EXPECTED_USERS)
+    else:
+        with pytest.raises(AssertionError, match=re.escape(said)):
+            check(host, EXPECTED_USERS)
+
+
+@pytest.mark.parametrize(
+    "owner, mode, said",
+    [
+        ("root", 0o600, None),
+        ("root", 0o644, "is root's with mode 644"),
+        ("haproxy", 0o600, "is haproxy's with mode 600"),
+    ],
+)
+def test_the_gateways_secrets_are_roots_alone(owner, mode, said):
+    from llamarig.checks import test_gateway
+
+    path = "/etc/haproxy/llamarig/rig-key.map"
+    host = GatewayHost({path: ("rigs Bearer x", owner, mode)}, {})
+    if said is None:
+        test_gateway.test_secret_is_roots_alone(host, {}, path)
+    else:
+        with pytest.raises(AssertionError, match=re.escape(said)):
+            test_gateway.test_secret_is_roots_alone(host, {}, path)
+    with pytest.raises(AssertionError, match="is missing: run the deploy"):
+        test_gateway.test_secret_is_roots_alone(GatewayHost({}, {}), {}, path)
+
+
+GATEWAY_DATA = {
+    "gateway": {
+        "host": "0.0.0.0",
+        "port": 8443,
+        "metrics": {"host": "127.0.0.1", "port": 8405},
+        "backends": [
+            {"model": "smollm2", "servers": [{"name": "rig1"}, {"name": "rig2"}]},
+            {"model": "tiny-random", "servers": [{"name": "rig2"}]},
+        ],
+    }
+}
+
+
+def _ss(*addresses: str) -> str:
+    return "".join(f"LISTEN 0      4096     {address}      0.0.0.0:*\n" for address in addresses)
+
+
+@pytest.mark.parametrize(
+    "host_address, listed, said",
+    [
+        ("0.0.0.0", _ss("0.0.0.0:8443"), None),
+        ("::", _ss("[::]:8443"), None),
+        ("::", _ss("*:8443"), None),  # a dual-stack socket, as some ss print it
+        ("127.0.0.1", _ss("127.0.0.1%lo:8443"), None),
+        ("127.0.0.1", _ss("0.0.0.0:8443"), "port 8443 is listened on at 0.0.0.0, gateway.host"),
+        ("0.0.0.0", "", "nothing listens on port 8443: HAProxy's listener is not bound"),
+        ("gw.example.lan", _ss("10.0.0.5:8443"), None),  # a name: where it resolved to
+    ],
+)
+def test_the_gateway_listens_where_configured(host_address, listed, said):
+    from llamarig.checks import test_gateway
+
+    data = copy.deepcopy(GATEWAY_DATA)
+    data["gateway"]["host"] = host_address
+    host = GatewayHost({}, {"ss -Hltn 'sport = :8443'": listed})
+    check = test_gateway.test_listens_where_configured
+    if said is None:
+        check(host, data, {}, "listener")
+    else:
+        with pytest.raises(AssertionError, match=re.escape(said)):
+            check(host, data, {}, "listener")
+
+
+def _stat(*rows: str) -> str:
+    return "# pxname,svname,status\n" + "".join(f"{row}\n" for row in rows)
+
+
+@pytest.mark.parametrize(
+    "stat, said",
+    [
+        (_stat("model_0,rig1,DOWN", "model_0,rig2,UP", "model_1,rig2,UP 1/2"), None),
+        (_stat("model_0,rig1,UP", "model_0,BACKEND,UP", "model_1,rig2,DOWN"),
+         "the gateway sees no rig up for tiny-random"),
+        ("", "HAProxy does not answer on /run/haproxy/admin.sock"),
+    ],
+)  # fmt: skip
+def test_every_model_needs_a_rig_the_gateway_sees_up(stat, said):
+    from llamarig.checks import test_gateway
+
+    host = GatewayHost({}, {"echo 'show stat'": stat})
+    check = test_gateway.test_every_model_has_a_rig_up
+    if said is None:
+        check(host, GATEWAY_DATA, {})
+    else:
+        with pytest.raises(AssertionError, match=re.escape(said)):
+            check(host, GATEWAY_DATA, {})
+
+
+def test_the_gateways_certificate_is_the_copy_clients_trust(tmp_path):
+    import subprocess
+
+    from llamarig.checks import test_gateway
+    from llamarig.operations.gateway import fingerprint
+
+    pems = []
+    for name in ("one", "two"):
+        made = subprocess.run(
+            ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+             "ec_paramgen_curve:prime256v1", "-nodes", "-days", "1", "-subj", "/CN=test",
+             "-keyout", str(tmp_path / f"{name}.key"), "-out", str(tmp_path / f"{name}.crt")],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if made.returncode:
+            pytest.skip(f"no openssl to make a certificate: {made.stderr}")
+        pems.append((tmp_path / f"{name}.crt").read_text())
+    served = GatewayHost({"/etc/haproxy/llamarig/tls.crt": (pems[0], "root", 0o644)}, {})
+    check = test_gateway.test_certificate_is_the_copy_clients_trust
+    copy_of = {"path": "inventory/gateway-certs/gw.crt", "fingerprint": fingerprint(pems[0])}
+    check(served, {"certificate_copy": copy_of})
+    other = {**copy_of, "fingerprint": fingerprint(pems[1])}
+    with pytest.raises(AssertionError, match="clients that trust the copy refuse the gateway"):
+        check(served, {"certificate_copy": other})
+    with pytest.raises(AssertionError, match="gw.crt holds no PEM certificate"):
+        check(served, {"certificate_copy": {**copy_of, "fingerprint": None}})
+    with pytest.raises(pytest.skip.Exception, match="no copy of the certificate"):
+        check(served, {"certificate_copy": None})
+
+
+RIG_MODULES = [
+    str(PROJECT / "llamarig" / "checks" / name)
+    for name in ("test_rig.py", "test_gpu_memory.py", "test_secureboot.py")
+]
+
+
+def _suite_outcomes(tmp_path, expected: dict, *pytest_args: str) -> dict[str, str]:
+    """Run (the part ``pytest_args`` choose of) the verify suite against this machine
+    (local://) with ``expected`` as its data: each test's outcome, a skip's reason after
+    `skipped: `."""
+    import subprocess
+    import sys
+    import xml.etree.ElementTree as ElementTree
+
+    from llamarig.checks.runner import SUITE
+
+    (tmp_path / "rig.json").write_text(json.dumps(expected))
+    report = tmp_path / "report.xml"
+    subprocess.run(
+        [sys.executable, "-m", "pytest", "--rootdir", str(SUITE), "--hosts=local://", "-p",
+         "no:cacheprovider", f"--junitxml={report}", *pytest_args],
+        cwd=PROJECT, env={**os.environ, "LLAMARIG_VERIFY_DATA": str(tmp_path / "rig.json")},
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    outcomes = {}
+    for case in ElementTree.parse(report).iter("testcase"):
+        name = f"{case.get('classname').rpartition('.')[2]}::{case.get('name')}"
+        verdicts = [f"{child.tag}: {child.get('message')}" for child in case]
+        outcomes[name] = verdicts[0] if verdicts else "passed"
+    return outcomes
+
+
+def test_a_gateway_alone_skips_every_check_of_a_rig_saying_why(tmp_path):
+    """The suite on a gateway alone's expectations: each check of a rig skips with the
+    reason (none runs its commands, none fails); only the host's own checks run."""
+    from llamarig.checks.conftest import GATEWAY_ONLY
+
+    data = load_inventory(PROJECT / "inventory" / "example-5080-3090.yml").hosts["rig1"].data
+    gateway_alone = {**copy.deepcopy(data), "role": "gateway"}  # its driver: nvidia-repo
+    gateway_alone["expect"]["uefi"] = None
+    expected = {"name": "gw", "data": gateway_alone, "derived": None, "gateway": None}
+    outcomes = {
+        name.partition("[")[0]: said
+        for name, said in _suite_outcomes(tmp_path, expected, *RIG_MODULES).items()
+    }
+    # Checks of any host (this machine's OS), and those that skip by the role, for their own.
+    generic = {
+        "test_rig::test_os_is_supported",
+        "test_rig::test_boot_mode_and_secure_boot_reported",
+    }
+    by_role = {"test_rig::test_expected_answer", "test_rig::test_rpc_worker_unit_active",
+               "test_rig::test_rpc_workers_reachable_from_the_head",
+               "test_rig::test_head_is_connected_to_its_workers"}  # fmt: skip
+    assert all(outcomes[name].startswith("skipped: ") for name in by_role), outcomes
+    of_a_rig = {name: said for name, said in outcomes.items() if name not in generic | by_role}
+    assert len(of_a_rig) >= 25 and set(of_a_rig.values()) == {f"skipped: {GATEWAY_ONLY}"}, outcomes
+
+
+def test_the_gateway_checks_skip_on_a_host_without_one(tmp_path):
+    from llamarig.checks.runner import SUITE
+
+    expected = {"name": "rig1", "data": {"role": "standalone"}, "gateway": None}
+    outcomes = _suite_outcomes(tmp_path, expected, str(SUITE / "test_gateway.py"))
+    assert len(outcomes) == 9, outcomes
+    assert set(outcomes.values()) == {
+        "skipped: this host runs no gateway (it is not in the `gateways` group)"
+    }

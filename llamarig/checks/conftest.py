@@ -30,15 +30,39 @@ def data(rig) -> dict:
     return rig["data"]
 
 
+# Why a rig's checks skip on a gateway alone (`role: gateway`); test_gateway checks it.
+GATEWAY_ONLY = "a gateway runs no llama-server (role: gateway): test_gateway.py checks it"
+
+
 @pytest.fixture(scope="session")
-def derived(rig) -> dict:
+def llama_rig(data) -> dict:
+    """A rig of llama.cpp (a server, a head or a worker): not a gateway alone, which has no
+    driver, build, model or llama-server of its own."""
+    if data["role"] == "gateway":
+        pytest.skip(GATEWAY_ONLY)
+    return data
+
+
+@pytest.fixture(scope="session")
+def derived(rig, llama_rig) -> dict:
     """Values llamarig derives from the data: base_url, nvcc, cmake_options, api_key."""
     return rig["derived"]
 
 
 @pytest.fixture(scope="session")
-def serving_rig(data) -> dict:
+def gateway(rig) -> dict:
+    """What this host's gateway is checked against (`runner.gateway_expectations`: the users'
+    names and key hashes, the certificate copy's fingerprint); skipped on a host that runs
+    no gateway."""
+    if not rig.get("gateway"):
+        pytest.skip("this host runs no gateway (it is not in the `gateways` group)")
+    return rig["gateway"]
+
+
+@pytest.fixture(scope="session")
+def serving_rig(llama_rig) -> dict:
     """A rig that runs llama-server (not an RPC worker, which lends its devices to a head)."""
+    data = llama_rig
     if data["role"] == "rpc-worker":
         pytest.skip("an rpc-worker runs ggml-rpc-server, not llama-server: its head serves")
     return data
@@ -60,8 +84,9 @@ def managed_kernel(nvidia_rig) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server_pid(host, data) -> str:
+def server_pid(host, llama_rig) -> str:
     """The main PID of the running llama-server (the unit's, or the launcher's process)."""
+    data = llama_rig
     if data["server"]["supervisor"] == "systemd":
         return host.run(f"systemctl show -P MainPID {data['server']['service']}").stdout.strip()
     pids = host.run("pgrep -x llama-server").stdout.split()
@@ -70,7 +95,8 @@ def server_pid(host, data) -> str:
 
 
 @pytest.fixture(scope="session")
-def nvidia_rig(data) -> dict:
+def nvidia_rig(llama_rig) -> dict:
+    data = llama_rig
     if data["driver"]["source"] == "none":
         pytest.skip("driver.source is none: a CPU-only rig has no NVIDIA driver to check")
     return data

@@ -12,23 +12,47 @@ import tempfile
 from pathlib import Path
 
 from llamarig import PACKAGE_DIR, PROJECT_DIR
-from llamarig.config import HostConfig
+from llamarig.config import HostConfig, inventory_path
+from llamarig.config.gateways import runs_gateway
 from llamarig.config.problems import Problem, located
 from llamarig.config.ssh import SshTarget, ssh_alias
 from llamarig.model.catalog import served_data
 from llamarig.model.files import model_files
 from llamarig.model.reference import HubError
 from llamarig.onhost import checksums, hostpaths
-from llamarig.planner import render
+from llamarig.operations.gateway import fingerprint
+from llamarig.planner import gateway, render
 from llamarig.planner.gather import host_plan
 
 # Inside the package, so an installed llamarig (not only a source checkout) carries it.
 SUITE = PACKAGE_DIR / "checks"
 
 
-def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
-    """What the suite checks the host against: the planned data and values derived from it;
-    ``rehash``: hash the model files even where a checksum record says they are unchanged."""
+def expectations(
+    host_config: HostConfig, rehash: bool = False, inventory: Path | None = None
+) -> dict:
+    """What the suite checks the host against: the planned data and values derived from it,
+    and the gateway's (``inventory``: the file beside which the deploy copied its certificate,
+    default RIG_INVENTORY); ``rehash``: hash the model files even where a checksum record says
+    they are unchanged. A gateway alone (`role: gateway`) has no model and is not planned."""
+    data = host_config.data
+    checked = (
+        gateway_expectations(host_config, inventory or inventory_path())
+        if runs_gateway(data)
+        else None
+    )
+    if data["role"] == "gateway":
+        return {
+            "name": host_config.name,
+            "data": data,
+            "memory": None,
+            "model_memory": {},
+            "model_files": [],
+            "rehash": rehash,
+            "checksum_records": checksums.RECORD_DIRECTORY,
+            "derived": None,  # the rig checks skip (conftest.llama_rig)
+            "gateway": checked,
+        }
     # A Hugging Face reference as the deploy resolved it (models.lock.yml); the GPUs and the
     # model header resolve `auto` context, split mode and ratio exactly as the deploy did.
     plan = host_plan(host_config)
@@ -57,7 +81,28 @@ def expectations(host_config: HostConfig, rehash: bool = False) -> dict:
             "api_key": bool(data["server"]["api_key_file"]),
             "curl_auth": hostpaths.CURL_AUTH,
         },
+        "gateway": checked,
     }
+
+
+def gateway_expectations(host_config: HostConfig, inventory: Path) -> dict:
+    """What test_gateway checks a gateway against, besides its data: each user's name and the
+    SHA-256 of their key as the users' map holds it (never a key: this is written to a file),
+    and the fingerprint of the certificate copy beside ``inventory`` (None: no copy)."""
+    users = [
+        dict(zip(("sha256", "name"), line.split(" ", 1), strict=True))
+        for line in gateway.users_map(host_config.data).splitlines()
+        if not line.startswith("#")
+    ]
+    copy = inventory.parent / gateway.CERTIFICATES_DIR / f"{host_config.name}.crt"
+    certificate = None
+    if copy.is_file():
+        try:
+            found = fingerprint(copy.read_text(errors="replace"))
+        except ValueError:
+            found = None  # no PEM certificate: the check fails, naming the copy
+        certificate = {"path": str(copy), "fingerprint": found}
+    return {"users": users, "certificate_copy": certificate}
 
 
 def _planned_devices(plan) -> list[dict] | None:

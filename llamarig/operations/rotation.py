@@ -131,7 +131,7 @@ def guarded(step: str | FunctionCommand, rotation: Rotation) -> FunctionCommand:
         else:
             succeeded, output = host.run_shell_command(StringCommand(step))
             for line in output.output_lines:
-                host.log(line.line, log_func=logger.info if succeeded else logger.error)
+                host.log(line, log_func=logger.info if succeeded else logger.error)
         if succeeded is False:
             back_in_rotation(state, host, rotation)
         return succeeded is not False

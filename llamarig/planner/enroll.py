@@ -16,12 +16,16 @@ name, warnings) is written escaped.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import yaml
 from pyinfra.facts.server import LinuxDistribution
 
+from llamarig.config.shapes import SHA256_HEX, address_problem, url_problem
+from llamarig.config.ssh_trust import _host_key_known
 from llamarig.facts.build import NvccVersion
 from llamarig.facts.cache import Reader
 from llamarig.facts.gpu import HostOutputError, NvidiaPciDevices, NvidiaSmiGpus
@@ -195,3 +199,66 @@ def render_entry(name: str, found: Probe, document: dict) -> str:
     ]
     body = yaml.safe_dump(document, sort_keys=False, default_flow_style=False)
     return "\n".join(lines) + "\n" + body
+
+
+# A login name as the loader takes `ssh.user` (llamarig/config/shapes.py): never an ssh option.
+LOGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+def argument_problems(args) -> list[str]:
+    """What is wrong with `llamarig init`'s own arguments (its parsed ``args``), found before
+    the box is contacted."""
+    problems = []
+    address = address_problem(args.address, "--port", "--user") if args.address else None
+    if address:
+        problems.append(f"--address: {address}")
+    elif not args.address and not args.local:
+        problems.append("give the box's address (--address HOST) or --local")
+    if not 0 < args.port < 65536:
+        problems.append(f"--port: {args.port} is not a TCP port (1-65535)")
+    if "@" in args.user:
+        problems.append(f"--user: '{printable(args.user)}' holds an address: give it in --address")
+    elif not LOGIN_NAME.fullmatch(args.user):
+        problems.append(
+            f"--user: '{printable(args.user)}' is not a login name (letters, digits, `_`, `.`, "
+            "`-`; not starting with `-`), e.g. root"
+        )
+    for flag, value in (("--key", args.key), ("--known-hosts", args.known_hosts)):
+        if value and not Path(os.path.expanduser(value)).is_file():
+            problems.append(f"{flag}: there is no file {printable(value)}")
+    known_hosts = os.path.expanduser(args.known_hosts or "")
+    if args.address and not address and 0 < args.port < 65536 and os.path.isfile(known_hosts):
+        # ssh checks the key strictly: a file without it would fail only after the connection.
+        known = _host_key_known(known_hosts, args.address, args.port)
+        if known is False:
+            name = args.address if args.port == 22 else f"[{args.address}]:{args.port}"
+            problems.append(
+                f"--known-hosts: {printable(args.known_hosts)} has no key for {name}, and init "
+                "checks host keys strictly: add the box's key first (docs/inventory.md, Enrolling "
+                f"a new box: `ssh-keyscan -p {args.port} {args.address}`, and compare the "
+                "fingerprint with the box's console)"
+            )
+    if args.model and (model := url_problem(args.model, ("http", "https"), "download over https")):
+        problems.append(f"--model: {model}")
+    if args.model and not args.sha256:
+        problems.append("--model needs --sha256: the model file's sha256 (sha256sum FILE)")
+    if args.sha256 and not SHA256_HEX.fullmatch(args.sha256):
+        problems.append(
+            f"--sha256: {args.sha256!r} is not a sha256: 64 lowercase hex digits (sha256sum FILE)"
+        )
+    if args.sha256 and not args.model:
+        problems.append("--sha256 without --model: give the model's URL with --model")
+    if args.output:
+        target = Path(args.output)
+        if target.is_dir():
+            problems.append(
+                f"--output: {printable(target)} is a directory: give a file, e.g. "
+                f"{printable(target)}/rig.yml"
+            )
+        elif not target.parent.is_dir():
+            problems.append(
+                f"--output: there is no directory {printable(target.parent)} to write it in"
+            )
+        elif target.exists() and not args.force:
+            problems.append(f"--output: {printable(target)} exists (pass --force to replace it)")
+    return problems

@@ -347,6 +347,17 @@ def tune_host(
     ``throughput``: many clients at once, through llama-server) and write its tuned file;
     returns the file. Raises TuneError."""
     name = host_config.name
+    if host_config.data["role"] == "gateway":
+        rigs = sorted(
+            {
+                server["name"]
+                for b in host_config.data["gateway"]["backends"]
+                for server in b["servers"]
+            }
+        )
+        raise TuneError(
+            f"{name} is a gateway: it serves no model; tune the rigs it fronts ({', '.join(rigs)})"
+        )
     if is_router(host_config.data):
         raise TuneError(
             f"{name} serves several models (`models:`): tune measures one model's server; "
