@@ -554,10 +554,37 @@ class OutOfService:
         return max(self.spans, default=0.0)
 
 
+def gateway_said(team, since: str) -> str:
+    """HAProxy's log lines since ``since`` of requests that did not end 200, for a failure's
+    message: which rig answered what, and when."""
+    return in_sandbox(
+        team["infos"][GATEWAY],
+        f"journalctl -u haproxy --no-pager -o short-precise --since {json.dumps(since)} "
+        "| grep -v ' 200 ' | tail -n 40",
+    )
+
+
 def whole(record: dict) -> bool:
     return (
         record.get("status") == 200 and record.get("finish") == "length" and "error" not in record
     )
+
+
+def rolled_out_under_load(team, path: Path, clients: int) -> tuple[list[dict], str]:
+    """`llamarig rollout` of ``path`` with ``clients`` streaming before, throughout and after;
+    every request's record and the rollout's output, which must succeed. A request that did
+    not end whole is a failure unless the caller allows it; the gateway's log of the requests
+    that did not end 200 is appended to the output for the message."""
+    since = gateway_clock(team)
+    streaming = Streaming(team, clients)
+    try:
+        time.sleep(2)
+        result = rollout(path)
+        time.sleep(2)
+    finally:
+        records = streaming.finish()
+    said = gateway_said(team, since)
+    return records, result.stdout + result.stderr + "\n--- gateway, not 200:\n" + said
 
 
 def test_a_change_rolls_through_both_rigs_one_at_a_time_and_cuts_nothing(team):
@@ -565,25 +592,17 @@ def test_a_change_rolls_through_both_rigs_one_at_a_time_and_cuts_nothing(team):
     restarts, the router reloads SmolLM2, each out of rotation in turn; every request ends
     whole, and the next rollout changes nothing."""
     changed = inventory(team["dir"] / "ctx.yml", team["infos"], team["keys"], ctx=3072)
-    clients = Streaming(team, 6)
-    try:
-        time.sleep(3)
-        result = rollout(changed)
-        time.sleep(3)
-    finally:
-        records = clients.finish()
-    output = result.stdout + result.stderr
+    records, output = rolled_out_under_load(team, changed, 6)
     broken = [record for record in records if not whole(record)]
-    assert len(records) > 20 and not broken, (len(records), broken[:5])
+    assert len(records) > 20 and not broken, (len(records), broken[:5], output[-6000:])
     out_a = output.index(f"out of rotation at gateway gw (model_0/{RIG_A})")
     back_a = output.index(f"back in rotation at gateway gw (model_0/{RIG_A})")
     out_b = output.index("out of rotation at gateway gw (model_0/" + RIG_B)
     back_b = output.index("back in rotation at gateway gw (model_0/" + RIG_B)
     assert out_a < back_a < out_b < back_b, output[-6000:]
     assert "expected answer(s) right" in output[out_a:back_a], output[out_a:back_a]
-    in_sandbox(
-        team["infos"][RIG_A], "grep -q -- '-c 3072' /etc/systemd/system/llama-server.service"
-    )
+    unit = "/etc/systemd/system/llama-server.service"
+    in_sandbox(team["infos"][RIG_A], f"grep -q -- '-c 3072' {unit}")
     assert changed_operations(sandboxes.converge(changed)) == []
     team["path"] = changed
 
@@ -596,30 +615,21 @@ def test_one_rig_behind_the_gateway_holds_new_requests_while_it_restarts(team):
     keys = team["keys"]
     keys["carol"] = _key(team["dir"], "carol")
     alone = dict(fronted=(RIG_A,), users=(*USERS, "carol"), ctx=3072)
-    path = inventory(team["dir"] / "alone.yml", team["infos"], keys, **alone)
-    clients = Streaming(team, 4)
-    try:
-        time.sleep(2)
-        rollout(path)
-        time.sleep(2)
-    finally:
-        records = clients.finish()
+    records, output = rolled_out_under_load(
+        team, inventory(team["dir"] / "alone.yml", team["infos"], keys, **alone), 4
+    )
     broken = [record for record in records if not whole(record)]
-    assert records and not broken, broken[:5]
+    assert records and not broken, (broken[:5], output[-4000:])
     assert call(team, "/v1/models", key=key_of(team, "carol"))[0] == 200
 
     path = inventory(team["dir"] / "alone-ctx.yml", team["infos"], keys, **{**alone, "ctx": 2048})
-    clients = Streaming(team, 4)
     out = OutOfService(team, f"model_0,{RIG_A}")
     try:
-        time.sleep(2)
-        rollout(path)
-        time.sleep(2)
+        records, output = rolled_out_under_load(team, path, 4)
     finally:
-        records = clients.finish()
         window = out.finish()
     broken = [record for record in records if not whole(record)]
-    assert records and not broken, broken[:5]
+    assert records and not broken, (broken[:5], output[-4000:])
     longest = max(record["first"] - record["start"] for record in records)
     assert 0 < window and longest <= window + 10, (longest, window)
     print(
@@ -629,19 +639,12 @@ def test_one_rig_behind_the_gateway_holds_new_requests_while_it_restarts(team):
     short = {**alone, "ctx": 2048, "hold_timeout": 1}
     path = inventory(team["dir"] / "alone-short-hold.yml", team["infos"], keys, **short)
     sandboxes.converge(path)  # the shorter hold first (the gateway's reload), then the change
-    path = inventory(
-        team["dir"] / "alone-short-hold-ctx.yml", team["infos"], keys, **{**short, "ctx": 3072}
-    )
-    clients = Streaming(team, 4)
-    try:
-        time.sleep(2)
-        rollout(path)
-        time.sleep(2)
-    finally:
-        records = clients.finish()
+    short["ctx"] = 3072
+    path = inventory(team["dir"] / "alone-short-hold-ctx.yml", team["infos"], keys, **short)
+    records, output = rolled_out_under_load(team, path, 4)
     held_out = [r for r in records if r.get("status") == 503]
     others = [r for r in records if r.get("status") != 503]
-    assert held_out, "no request waited past a 1 s hold during the restart"
+    assert held_out, f"no request waited past a 1 s hold during the restart: {output[-3000:]}"
     assert all(json.loads(r["body"])["error"]["code"] == "overloaded" and r["retry_after"]
                for r in held_out), held_out[:3]  # fmt: skip
-    assert all(whole(r) for r in others), [r for r in others if not whole(r)][:5]
+    assert all(whole(r) for r in others), ([r for r in others if not whole(r)][:5], output[-4000:])
