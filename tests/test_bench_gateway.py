@@ -1,14 +1,17 @@
 """bench/gateway.py without a sandbox: the A/B order, one round's record, the summaries, the
 ratio and the TTFT difference (also per pair), the goal, the table; its client against a
-streaming server on loopback, in plain HTTP and over TLS with a CA file to trust."""
+streaming server on loopback, in plain HTTP and over TLS with a CA file to trust, a connection
+per request or kept alive; what it waits for, its inventory and its options."""
 
 import http.server
 import json
 import os
 import shutil
+import socket
 import ssl
 import subprocess
 import threading
+import time
 
 import pytest
 
@@ -75,8 +78,10 @@ def test_the_ratio_the_ttft_difference_and_the_goal():
     assert one["paired"] == {
         "pairs": 2,
         "tps_ratio": 0.98,
+        "tps_ratio_sd": 0.0141,  # the spread of the pairs: sample standard deviations
         "tps_ratio_each": [0.99, 0.97],
         "ttft_delta_ms": 4.5,
+        "ttft_delta_sd_ms": 2.12,
         "ttft_delta_each_ms": [3.0, 6.0],
     }
     assert one["tps_within"] and one["ttft_within"]  # 2% and 3 ms: at the bounds, within
@@ -185,39 +190,63 @@ def test_the_inventory_has_one_rig_and_the_gateway_in_front_of_it(tmp_path):
 
 
 class Streaming(http.server.BaseHTTPRequestHandler):
-    """Answers a chat completion as llama-server streams one: three tokens, then the usage."""
+    """Answers a chat completion as llama-server streams one: three tokens, then the usage.
+    HTTP/1.0: the connection closes after each answer."""
 
     seen: list[dict] = []
 
+    def send(self, data: bytes) -> None:
+        self.wfile.write(data)
+        self.wfile.flush()
+
     def do_POST(self):  # noqa: N802 - http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Streaming.seen.append({"auth": self.headers["Authorization"], "body": body})
+        Streaming.seen.append(
+            {"auth": self.headers["Authorization"], "body": body, "port": self.client_address[1]}
+        )
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
+        if self.protocol_version == "HTTP/1.1":
+            self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         for word in ("Par", "is", "."):
             chunk = {"choices": [{"delta": {"content": word}}]}
-            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
-            self.wfile.flush()
+            self.send(f"data: {json.dumps(chunk)}\n\n".encode())
         usage = {"choices": [], "usage": {"completion_tokens": 3, "prompt_tokens": 7}}
-        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.send(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.send(b"")
 
     def log_message(self, *args):
         pass
 
 
-def serve(context: ssl.SSLContext | None = None):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Streaming)
+class KeptAlive(Streaming):
+    """The same answers chunked over HTTP/1.1, as llama-server's: the connection stays open
+    between requests until it has been idle ``timeout`` seconds (cpp-httplib's: 5)."""
+
+    protocol_version = "HTTP/1.1"
+    timeout = 0.5
+
+    def send(self, data: bytes) -> None:
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+        self.wfile.flush()
+
+
+def serve(context: ssl.SSLContext | None = None, handler=Streaming):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     if context:
         server.socket = context.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
 
 
-def check_reply(answer: dict) -> None:
+def check_reply(answer: dict, new_connection: bool = True) -> None:
     assert "error" not in answer, answer
     assert answer["tokens"] == 3 and answer["prompt_tokens"] == 7 and len(answer["gaps_s"]) == 2
     assert 0 <= answer["connect_s"] <= answer["ttft_s"] <= answer["seconds"]
+    assert answer["new_connection"] is new_connection
+    if not new_connection:
+        assert answer["connect_s"] == 0
     seen = Streaming.seen[-1]
     assert seen["auth"] == "Bearer k" and seen["body"]["model"] == "smollm2"
     assert seen["body"]["stream"] and seen["body"]["ignore_eos"]
@@ -324,3 +353,158 @@ def test_haproxy_timers_of_the_users_answered_requests():
     assert timings["Tw"] == {"p50": 0, "p95": 2} and timings["Tc"] == {"p50": 0, "p95": 1}
     assert timings["Tr"] == {"p50": 170, "p95": 180} and timings["Ta"]["p50"] == 1600
     assert gateway.haproxy_timings("", "bench")["TR"] == {"p50": None, "p95": None}
+
+
+# --- keep-alive, and what the run waits for ------------------------------------------------------
+
+
+def test_an_idle_socket_is_usable_until_its_peer_closes_it():
+    mine, theirs = socket.socketpair()
+    try:
+        assert not gateway.stale(mine)
+        theirs.sendall(b"x")  # something unasked: not a connection to send a request on
+        assert gateway.stale(mine)
+        mine.recv(1)
+        theirs.close()
+        assert gateway.stale(mine)  # readable: the end of the stream
+    finally:
+        mine.close()
+    assert gateway.stale(mine)  # closed here
+    assert gateway.stale(None)  # http.client dropped it
+
+
+def keep_alive_run(url: str, cafile=None) -> None:
+    client = gateway.BenchClient(url, "k", "smollm2", cafile, 10, keep_alive=True)
+    try:
+        assert client.keep(2, "warm") == 2  # two opened, each warmed by a request
+        warm_ports = [seen["port"] for seen in Streaming.seen[-2:]]
+        assert len(set(warm_ports)) == 2 and len(client.idle) == 2
+        check_reply(client.request("hello", 3), new_connection=False)
+        check_reply(client.request("hello", 3), new_connection=False)
+        assert Streaming.seen[-1]["port"] == Streaming.seen[-2]["port"] == warm_ports[-1]
+        assert client.keep(2, "warm") == 0 and client.keep(1, "warm") == 0
+        assert len(client.idle) == 1
+        time.sleep(1.0)  # past the server's idle timeout: it closes the connection
+        assert client.keep(1, "warm") == 1
+        check_reply(client.request("hello", 3), new_connection=False)
+        client.close()
+        assert client.idle == []
+        check_reply(client.request("hello", 3), new_connection=True)  # none idle: a new one
+    finally:
+        client.close()
+
+
+def test_kept_alive_connections_are_reused_and_replaced_once_the_server_closes_them():
+    server = serve(handler=KeptAlive)
+    try:
+        keep_alive_run(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="needs openssl")
+def test_kept_alive_connections_are_reused_over_tls(tmp_path):
+    cert, key = tmp_path / "gw.crt", tmp_path / "gw.key"
+    self_signed(cert, key)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = serve(context, KeptAlive)
+    try:
+        keep_alive_run(f"https://127.0.0.1:{server.server_address[1]}", cert)
+    finally:
+        server.shutdown()
+
+
+class ClosesAfterStream(KeptAlive):
+    """llama-server's way: HTTP/1.1 and chunked, no "Connection: close", but the connection is
+    closed once a streamed answer is done."""
+
+    def do_POST(self):  # noqa: N802 - http.server's name
+        super().do_POST()
+        self.close_connection = True
+
+
+@pytest.mark.parametrize("handler", [Streaming, ClosesAfterStream])
+def test_a_server_that_closes_every_connection_gets_a_new_one_per_request(handler):
+    server = serve(handler=handler)  # Streaming: HTTP/1.0, says it closes after each answer
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        client = gateway.BenchClient(url, "k", "smollm2", None, 10, keep_alive=True)
+        assert client.keep(2, "warm") == 2 and client.server_closes and client.idle == []
+        assert client.keep(2, "warm") == 0  # no more warm-ups: they would be closed too
+        for _ in range(2):
+            check_reply(client.request("hello", 3), new_connection=True)
+        assert Streaming.seen[-1]["port"] != Streaming.seen[-2]["port"]
+    finally:
+        server.shutdown()
+
+
+def test_bench_loads_own_client_still_opens_a_connection_per_request():
+    server = serve(handler=KeptAlive)
+    try:
+        client = gateway.Client(f"http://127.0.0.1:{server.server_address[1]}", "k", "smollm2")
+        for _ in range(2):
+            answer = client.request("hello", 3)
+            assert "error" not in answer and answer["tokens"] == 3 and "connect_s" not in answer
+        assert Streaming.seen[-1]["port"] != Streaming.seen[-2]["port"]
+    finally:
+        server.shutdown()
+
+
+def test_a_round_counts_the_requests_that_opened_a_connection():
+    row = {"aggregate_tps": 50.0, "errors": 0, "first_error": None}
+    kept = [{**reply(0.1, [0.01], 0.0), "new_connection": False}] * 3
+    record_ = gateway.round_record(4, 0, "gateway", row, [*kept, reply(0.2, [0.01], 0.004)])
+    assert record_["new_connections"] == 1  # a reply that does not say: a new connection
+    assert record_["connect_ms"] == [0.0, 0.0, 0.0, 4.0]
+    assert gateway.summarize([record_, record(4, 1, "gateway", 50.0, [1.0, 2.0])])[
+        "new_connections"
+    ] == 3  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("command", "waits"),
+    [
+        (
+            "timeout 3000 .venv/bin/pytest -p no:cacheprovider tests/test_sandbox_gateway.py -x",
+            True,
+        ),
+        ("python3 -m pytest llamarig/checks --hosts=ssh://llamarig-sandbox-gw-rig-a", True),
+        ("python -m pytest tests/test_sandbox_converge.py", True),
+        ("/bin/sh -c test_sandbox_gateway", True),  # whatever pgrep -f finds
+        (".venv/bin/pytest -q tests/test_bench_gateway.py", False),
+        ("python -m llamarig_sandbox.fileserver --root /var/cache/llamarig/www", False),
+        (".venv/bin/python -m bench.gateway --out bench/runs/gateway-sandbox/x.json", False),
+    ],
+)
+def test_the_run_waits_for_sandbox_tests_only(command, waits):
+    assert gateway.blocking(command) is waits
+
+
+def test_the_deploy_log_of_a_run_is_named_after_its_results():
+    runs = gateway.PROJECT / "bench/runs/gateway-sandbox"
+    assert gateway.deploy_log(runs / "results.json") == runs / "deploy.log"
+    assert gateway.deploy_log(runs / "results-keepalive.json") == runs / "deploy-keepalive.log"
+    assert gateway.deploy_log(runs / "other.json") == runs / "deploy-other.log"
+
+
+def test_the_inventory_sets_the_gateways_body_limit_when_asked(tmp_path):
+    import yaml
+
+    class Info:
+        known_hosts_path = "/kh"
+
+    infos = {gateway.RIG: Info(), gateway.GATEWAY: Info()}
+    keys = {who: tmp_path / f"{who}.key" for who in ("rig", "gateway", gateway.USER)}
+    for body, expected in ((None, None), (64, 64)):
+        path = gateway.write_inventory(tmp_path / "bench.yml", infos, keys, 1, max_body_kib=body)
+        hosts = yaml.safe_load(path.read_text())["all"]["children"]["gateways"]["hosts"]
+        assert hosts["gw"]["gateway"].get("max_body_kib") == expected
+
+
+@pytest.mark.parametrize("bad", ["8", "70000"])
+def test_a_body_limit_out_of_the_inventorys_bounds_is_refused(bad, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        gateway.main(["--max-body-kib", bad])
+    assert exit_info.value.code == 2
+    assert "--max-body-kib: 16..65536" in capsys.readouterr().err

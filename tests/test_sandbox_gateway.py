@@ -233,6 +233,20 @@ def test_verify_checks_the_gateway_and_skips_the_rig_checks_there(team):
         assert "this host runs no gateway" in runs[rig]
 
 
+def test_status_shows_each_rig_as_the_gateway_sees_it(team):
+    result = sandboxes.llamarig(team["path"], "status", "--window", "1")
+    assert result.returncode == 0, result.stdout + result.stderr
+    cert = (team["dir"] / "gateway-certs" / "gw.crt").read_text()
+    assert f"SHA-256 {fingerprint(cert)}" in result.stdout, result.stdout
+    assert re.search(rf"backend  smollm2 .*{RIG_A} UP.*{RIG_B} UP", result.stdout), result.stdout
+    assert re.search(rf"backend  tiny-random .*{RIG_B} UP", result.stdout), result.stdout
+    rows = {row["host"]: row for row in json.loads(
+        sandboxes.llamarig(team["path"], "status", "--json", "--window", "1").stdout
+    )}  # fmt: skip
+    models = {model["model"]: model for model in rows["gw"]["gateway"]["models"]}
+    assert {rig["name"] for rig in models["smollm2"]["rigs"]} == {RIG_A, RIG_B}
+
+
 def test_a_wrong_key_gets_401_and_never_reaches_a_rig(team):
     before = {rig: rig_requests(team, rig) for rig in (RIG_A, RIG_B)}
     body = {"model": "smollm2", "messages": [QUESTION], "max_tokens": 4}
@@ -584,7 +598,12 @@ def rolled_out_under_load(team, path: Path, clients: int) -> tuple[list[dict], s
     finally:
         records = streaming.finish()
     said = gateway_said(team, since)
-    return records, result.stdout + result.stderr + "\n--- gateway, not 200:\n" + said
+    output = result.stdout + result.stderr + "\n--- gateway, not 200:\n" + said
+    broken = [record for record in records if not whole(record)]
+    if broken:  # the whole story, for the failure the caller reports
+        (team["dir"] / f"broken-{path.stem}.txt").write_text(f"{broken}\n{output}")
+        print(f"broken requests; the rollout and the gateway: {team['dir']}/broken-{path.stem}.txt")
+    return records, output
 
 
 def test_a_change_rolls_through_both_rigs_one_at_a_time_and_cuts_nothing(team):

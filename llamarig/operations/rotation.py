@@ -1,9 +1,14 @@
 """A rig in and out of its gateways' rotation: before a change stops it (a restart, a rollback,
 the slowdown check's switches), each gateway in front of it stops sending it new requests (HAProxy
-`drain`, through the gateway's runtime API over the gateway's own SSH connection; the admin
+`maint`, through the gateway's runtime API over the gateway's own SSH connection; the admin
 socket is never on the network) and its requests in flight there end; once the change is checked
-it is put back (`ready`), whatever the outcome: HAProxy's health check then decides whether it
-serves. Meanwhile its model's requests go to the other rigs, or wait at the gateway (the hold)."""
+it is put back (`ready`), whatever the outcome: HAProxy's health check then decides when it
+serves again. Meanwhile its model's requests go to the other rigs, or wait at the gateway (the
+hold).
+
+`maint`, not `drain`: requests that waited in the model's queue when the rig left stayed there
+after it came back from `drain` until the queue's timeout (a 503 after 30 s, HAProxy 2.6); a
+server coming back from `maint` is UP only once its checks pass, and then takes the queue."""
 
 from __future__ import annotations
 
@@ -74,8 +79,8 @@ def out_of_rotation(state, host, rotation: Rotation) -> None:
     """Stop each gateway sending ``host`` new requests, then wait (within the bound) until
     its requests in flight there have ended."""
 
-    def drain(gateway, name: str, servers: tuple[str, ...]) -> None:
-        commands = [f"set server {server} state drain" for server in servers]
+    def take_out(gateway, name: str, servers: tuple[str, ...]) -> None:
+        commands = [f"set server {server} state maint" for server in servers]
         gateway.run_shell_command(StringCommand(_runtime_api(commands)))
         started = time.monotonic()
         while True:
@@ -95,7 +100,7 @@ def out_of_rotation(state, host, rotation: Rotation) -> None:
                 return
             time.sleep(POLL_S)
 
-    _at_each_gateway(state, host, rotation, f"to take {host.name} out of rotation", drain)
+    _at_each_gateway(state, host, rotation, f"to take {host.name} out of rotation", take_out)
 
 
 def back_in_rotation(state, host, rotation: Rotation) -> None:

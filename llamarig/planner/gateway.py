@@ -21,10 +21,13 @@ API_PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 CONNECT_TIMEOUT_S = 5
 # Where the deploy copies each gateway's certificate (HOST.crt), beside the inventory file.
 CERTIFICATES_DIR = "gateway-certs"
-# Where the backup server that holds requests "connects": a socket nothing listens on. Its
-# name, `_hold`, is no inventory host's (they begin with a letter or digit).
+# Where the backup server that holds requests "connects": a loopback port nothing listens on,
+# below 1024 so that only root could (it would get the rigs' key). A refused TCP connection
+# is retried about a second later; a Unix socket that does not exist was retried at once, 60
+# times in a millisecond (HAProxy 2.6). Its name, `_hold`, is no inventory host's (they begin
+# with a letter or digit).
 HOLD_SERVER = "_hold"
-HOLD_ADDRESS = "unix@/run/llamarig-gateway-hold.sock"
+HOLD_ADDRESS = "127.0.0.1:1"
 
 
 def _address(address: str) -> str:

@@ -3,11 +3,14 @@ users see no error. pyinfra runs each operation on every host at once, so the de
 would restart every rig of a model together (the gateway would hold their requests until one
 serves); the rollout runs it per batch with `--limit`, as Ansible's `serial:` does:
 
-1. the hosts no gateway fronts but the gateways (RPC workers, rigs of no gateway), at once;
-2. the fronted rigs, in batches of at most `gateway.max_unavailable` rigs of any one model:
-   each rig's restart takes it out of its gateways' rotation first and puts it back once it
-   is checked (tasks/server.py), so the other rigs of its model serve meanwhile;
-3. the gateways, whose changes (users, rigs, certificate) HAProxy applies by a reload.
+1. the rigs the gateways front, in batches of at most `gateway.max_unavailable` rigs of any
+   one model (with the RPC workers of a head in its batch): each rig's restart takes it out of
+   its gateways' rotation first and puts it back once it is checked (tasks/server.py), so the
+   other rigs of its model serve meanwhile; a rig a gateway is to front accepts its key here;
+2. the gateways, whose changes (users, rigs, certificate) HAProxy applies by a reload: a rig
+   added now gets requests it accepts, a rig removed gets no more;
+3. the other hosts (rigs no gateway fronts, and those it fronted until step 2, which only now
+   stop accepting its key), at once.
 
 The first batch that fails stops the rollout, before any other rig is touched; the summary
 says which rigs run which build."""
@@ -56,15 +59,8 @@ def max_unavailable(inventory: Inventory, rig: str) -> int:
 def steps(inventory: Inventory) -> list[Step]:
     """The runs of a rollout, in order (module docstring)."""
     gateways = inventory.groups.get(GATEWAYS_GROUP, [])
-    fronted = [
-        name for name, host in inventory.hosts.items() if host.data["server"].get("gateways")
-    ]
-    rest = [
-        name
-        for name, host in inventory.hosts.items()
-        if name not in fronted and name not in gateways
-    ]
-    plan = [Step(tuple(rest), "the hosts no gateway fronts")] if rest else []
+    hosts = inventory.hosts
+    fronted = [name for name, host in hosts.items() if host.data["server"].get("gateways")]
     batches: list[list[str]] = []
     for rig in fronted:
         backends = _backends_of(inventory, rig)
@@ -76,11 +72,29 @@ def steps(inventory: Inventory) -> list[Step]:
                 break
         else:
             batches.append([rig])
-    plan += [Step(tuple(batch), "out of rotation, changed, checked, back") for batch in batches]
-    gateway_hosts = [name for name in gateways if name not in fronted]
+    plan = [
+        Step((*batch, *_workers_of(inventory, batch)), "out of rotation, changed, checked, back")
+        for batch in batches
+    ]
+    placed = {name for step in plan for name in step.hosts}
+    gateway_hosts = [name for name in gateways if name not in placed]
     if gateway_hosts:
         plan.append(Step(tuple(gateway_hosts), "the gateways (a reload keeps every connection)"))
+    rest = [name for name in hosts if name not in placed and name not in gateway_hosts]
+    if rest:
+        plan.append(Step(tuple(rest), "the hosts no gateway fronts"))
     return plan
+
+
+def _workers_of(inventory: Inventory, batch: list[str]) -> list[str]:
+    """The RPC workers of the heads in ``batch``: a worker's restart restarts its head, so it
+    changes in its head's run, out of rotation with it."""
+    return [
+        worker
+        for head in batch
+        if inventory.hosts[head].data["role"] == "rpc-head"
+        for worker in inventory.hosts[head].data["rpc"]["workers"]
+    ]
 
 
 def deploy_command(hosts: tuple[str, ...], extra: list[str]) -> list[str]:
