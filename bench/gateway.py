@@ -17,11 +17,18 @@ first, ...) so that drift in the machine's load hits both sides alike. A round i
 ``served``: K streamed chat completions started together, each of exactly ``--tokens`` tokens (64,
 ``ignore_eos``) after a distinct prompt of ``--prompt-words`` words (20: the rig's prompt
 processing is what varies most in the time to first token, and the gateway's cost does not
-depend on it). Each request opens its own connection (its connect, the TLS handshake through the
-gateway, is timed apart: ``connect_ms``). Per K and side: the median round's aggregate tokens/s,
-p50/p95 time to first token and inter-token gap over every request, errors; the ratio of tokens/s
-(gateway / direct) and the TTFT difference, also as medians over the pairs. The goal (the
-gateway issue): at most 2% fewer tokens/s and at most 5 ms more to the first token.
+depend on it). By default each request opens its own connection (its connect, the TLS handshake
+through the gateway, is timed apart: ``connect_ms``) and the time to first token counts from
+opening it. With ``--keep-alive`` each of the K clients keeps one connection open for all its
+requests (as httpx and the OpenAI SDKs do): before each round the client holds K open
+connections, replacing any the server closed while idle (the rig after 5 s, HAProxy after 10 s)
+with a new one warmed by a request of its own, and the time to first token counts from sending
+the request. ``--max-body-kib`` sets the gateway's ``gateway.max_body_kib`` for the run
+(HAProxy's tune.bufsize is it x 1024 + 32 KiB; 1024 by default). Per K and side: the median
+round's aggregate tokens/s, p50/p95 time to first token and inter-token gap over every
+request, errors; the ratio of tokens/s (gateway / direct) and the TTFT difference, also as
+medians over the pairs (with their spread, the standard deviation). The goal (the gateway
+issue): at most 2% fewer tokens/s and at most 5 ms more to the first token.
 
 The machine is shared: the CPU seconds HAProxy, llama-server, the sandboxes' journals, this
 process (the clients) and everything else used are recorded for each round. Before each pair it
@@ -29,13 +36,15 @@ waits (``--quiet-wait`` seconds at most) for a second in which other work used a
 the pairs in which other work took more than 5% of the CPUs in either round are counted, and the
 paired figures are given over the quiet pairs too.
 
-Before measuring it waits (``--wait-others`` seconds at most) while ``pgrep -f
-test_sandbox_gateway`` finds the gateway sandbox test, which shares the CPUs, and records what
-else ran. Every request is bounded (``--request-timeout``) and so is the whole run
-(``--max-minutes``); the sandboxes are taken down at the end whatever happens. Loopback only.
-Writes ``--out`` (JSON) and prints a markdown table. As root:
+Before booting its sandboxes, before measuring and before any pair, it waits (``--wait-others``
+seconds at most, a look every 30 s) while the gateway sandbox test (what ``pgrep -f
+test_sandbox_gateway`` finds) or another pytest run of a sandbox test runs, as they share the
+CPUs, and records what else ran. Every request is bounded (``--request-timeout``) and so is
+the whole run (``--max-minutes``); the sandboxes are taken down at the end whatever happens.
+Loopback only. Writes ``--out`` (JSON) and prints a markdown table. As root:
 
     .venv/bin/python -m bench.gateway --out bench/runs/gateway-sandbox/results.json
+    .venv/bin/python -m bench.gateway --keep-alive --max-body-kib 64 --out ...
 
 Exit status 0 when every K meets the goal, 1 when one does not, 2 when it could not measure.
 """
@@ -51,12 +60,14 @@ import os
 import platform
 import re
 import secrets
+import select
 import signal
 import ssl
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -90,6 +101,9 @@ CONVERGE_TIMEOUT_S = 1800
 # second); a pair counts as quiet when other work used at most QUIET_SHARE of all CPUs' time in
 # each of its rounds (the paired figures are also given over the quiet pairs alone).
 QUIET_CPU = 0.15
+# Keep-alive: how long after a warm-up answer a server that closes its connection after each
+# answer has surely done so (loopback).
+SETTLE_S = 0.05
 QUIET_SHARE = 0.05
 OTHER_BENCH = "test_sandbox_gateway"  # the sandbox test that shares the CPUs
 # What else may take CPU time from the measurement (outside this run's sandboxes).
@@ -130,6 +144,8 @@ def round_record(clients: int, pair: int, side: str, row: dict, replies: list[di
         ],
         "gaps_ms": [gap * 1000 for reply in good for gap in reply["gaps_s"]],
         "tokens": [reply["tokens"] for reply in good],
+        # measured requests that opened a connection (all of them, unless kept alive)
+        "new_connections": sum(1 for reply in good if reply.get("new_connection", True)),
         "errors": row["errors"],
         "first_error": row["first_error"],
     }
@@ -156,6 +172,9 @@ def summarize(records: list[dict]) -> dict:
         "after_connect_ms": {"p50": _p(after, 0.5), "p95": _p(after, 0.95)},
         "itl_ms": {"p50": _p(gaps, 0.5), "p95": _p(gaps, 0.95), "max": _p(gaps, 1.0)},
         "requests": sum(len(record["ttft_ms"]) + record["errors"] for record in records),
+        "new_connections": sum(
+            record.get("new_connections", len(record["ttft_ms"])) for record in records
+        ),
         "errors": sum(record["errors"] for record in records),
     }
 
@@ -180,8 +199,10 @@ def paired(records: list[dict]) -> dict:
     return {
         "pairs": len(ratios),
         "tps_ratio": round(statistics.median(ratios), 4) if ratios else None,
+        "tps_ratio_sd": round(statistics.stdev(ratios), 4) if len(ratios) > 1 else None,
         "tps_ratio_each": [round(ratio, 4) for ratio in ratios],
         "ttft_delta_ms": round(statistics.median(deltas), 2) if deltas else None,
+        "ttft_delta_sd_ms": round(statistics.stdev(deltas), 2) if len(deltas) > 1 else None,
         "ttft_delta_each_ms": [round(delta, 2) for delta in deltas],
     }
 
@@ -323,15 +344,57 @@ def haproxy_timings(log: str, user: str) -> dict:
 # --- the client: bench/load.py's, over TLS too --------------------------------------------------
 
 
+def stale(sock) -> bool:
+    """Whether an idle keep-alive connection's socket can no longer carry a request: gone, or
+    readable while no request is out (the server closed it, or sent something unasked), as
+    httpx's pool checks before reusing one. Over TLS, records that carry no data (TLS 1.3's
+    session tickets, sent after the handshake) make it readable too: they are read here."""
+    if sock is None:
+        return True
+    try:
+        pending = isinstance(sock, ssl.SSLSocket) and sock.pending()
+        if not pending and not select.select([sock], [], [], 0)[0]:
+            return False
+    except (OSError, ValueError):  # closed under us
+        return True
+    if not isinstance(sock, ssl.SSLSocket) or pending:
+        return True
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    try:
+        sock.recv(1)  # data unasked, or b"" at the end: no good either way
+        return True
+    except ssl.SSLWantReadError:  # only records without data: still good
+        return False
+    except OSError:
+        return True
+    finally:
+        sock.settimeout(timeout)
+
+
 class BenchClient(Client):
-    """bench/load.py's Client for http:// and https:// (a CA file to trust), one connection
-    per request as there, its connect (the TCP and TLS handshake) timed apart. Both sides use
-    this same code, so they differ only in what they reach.
+    """bench/load.py's Client for http:// and https:// (a CA file to trust), its connect (the
+    TCP and TLS handshake) timed apart. Both sides use this same code, so they differ only in
+    what they reach.
 
-    load.Client.request makes its http.client.HTTPConnection inline, with nothing to override,
-    so the request is written again here with the connection made by ``_connection``."""
+    By default each request opens a connection of its own (as bench/load.py's do). With
+    ``keep_alive`` (as httpx and the OpenAI SDKs do) connections are kept open and reused: a
+    request takes an idle one (the most recently used first) and gives it back once its
+    response is read to the end; ``keep`` holds the pool at K connections before a round, each
+    warmed by a request of its own. A measured request opens a connection only when none is
+    idle (``new_connection`` in its reply, its connect then in ``connect_s``): when the server
+    closed the one it had (after its idle timeout, found in ``keep``, or after each answer, as
+    llama-server does after a streamed one: then ``server_closes`` and no more warm-ups)."""
 
-    def __init__(self, url: str, api_key: str, model: str, cafile: Path | None, timeout: float):
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        model: str,
+        cafile: Path | None,
+        timeout: float,
+        keep_alive: bool = False,
+    ):
         parts = urllib.parse.urlsplit(url)
         self.tls = parts.scheme == "https"
         if self.tls and not cafile:
@@ -341,6 +404,10 @@ class BenchClient(Client):
         self.port = parts.port or (443 if self.tls else 80)
         self.context = ssl.create_default_context(cafile=str(cafile)) if self.tls else None
         self.timeout = timeout
+        self.keep_alive = keep_alive
+        self.idle: list[http.client.HTTPConnection] = []
+        self.lock = threading.Lock()
+        self.server_closes = False  # keep-alive: the server closes a connection after an answer
 
     def _connection(self) -> http.client.HTTPConnection:
         if self.tls:
@@ -349,52 +416,80 @@ class BenchClient(Client):
             )
         return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
 
-    def request(self, text: str, tokens: int) -> dict:
-        body = {
-            "messages": [{"role": "user", "content": text}],
-            "max_tokens": tokens,
-            "ignore_eos": True,
-            "temperature": 0,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-            "model": self.model,
-        }
+    def _open(self) -> tuple[http.client.HTTPConnection, float]:
         connection = self._connection()
         started = time.perf_counter()
-        arrivals: list[float] = []
-        usage: dict = {}
         try:
             connection.connect()
-            connected = time.perf_counter()
-            connection.request("POST", "/v1/chat/completions", json.dumps(body), self.headers)
-            response = connection.getresponse()
-            if response.status != 200:
-                return {"error": f"HTTP {response.status}: {response.read(300)!r}"}
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[len("data: ") :])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices", []):
-                    delta = choice.get("delta", {})
-                    if delta.get("content") or delta.get("reasoning_content"):
-                        arrivals.append(time.perf_counter())
-        except (OSError, ValueError, http.client.HTTPException) as error:
-            return {"error": f"{type(error).__name__}: {error}"}
-        finally:
+        except BaseException:
             connection.close()
-        if not arrivals:
-            return {"error": "no token streamed"}
-        return {
-            "ttft_s": arrivals[0] - started,
-            "connect_s": connected - started,
-            "gaps_s": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
-            "tokens": usage.get("completion_tokens", len(arrivals)),
-            "prompt_tokens": usage.get("prompt_tokens"),
-            "seconds": time.perf_counter() - started,
-        }
+            raise
+        return connection, time.perf_counter() - started
+
+    def _take_idle(self) -> http.client.HTTPConnection | None:
+        with self.lock:
+            while self.idle:
+                connection = self.idle.pop()
+                if not stale(connection.sock):
+                    return connection
+                connection.close()
+        return None
+
+    def _connect(self) -> tuple[http.client.HTTPConnection, dict]:
+        connection = self._take_idle() if self.keep_alive else None
+        if connection is not None:
+            return connection, {"connect_s": 0.0, "new_connection": False}
+        connection, seconds = self._open()
+        return connection, {"connect_s": seconds, "new_connection": True}
+
+    def _release(self, connection: http.client.HTTPConnection, finished: bool) -> None:
+        # http.client drops the socket of a response that closes its connection
+        if self.keep_alive and finished and connection.sock is not None:
+            with self.lock:
+                self.idle.append(connection)
+        else:
+            connection.close()
+
+    def keep(self, count: int, warm_up: str) -> int:
+        """Keep-alive: hold ``count`` idle connections, each with one request behind it (the
+        ``warm_up`` prompt, 4 tokens): close those the server closed while idle and any beyond
+        ``count``, open the missing ones and send each its warm-up request. How many were
+        opened. Between rounds only (the pool is not in use)."""
+        with self.lock:
+            alive = [connection for connection in self.idle if not stale(connection.sock)]
+            for connection in self.idle:
+                if connection not in alive:
+                    connection.close()
+            for connection in alive[count:]:
+                connection.close()
+            self.idle = alive[:count]
+        if self.server_closes:
+            return 0  # what was opened would be closed by its first answer: none kept
+        opened = count - len(self.idle)
+        for _ in range(opened):
+            connection, _seconds = self._open()
+            with self.lock:
+                self.idle.append(connection)  # on top: the warm-up request takes it
+            reply = self.request(warm_up, 4)
+            if "error" in reply:
+                raise BenchError(f"the warm-up of a new connection failed: {reply['error']}")
+        time.sleep(SETTLE_S)
+        with self.lock:
+            alive = [connection for connection in self.idle if not stale(connection.sock)]
+            for connection in self.idle:
+                if connection not in alive:
+                    connection.close()
+            self.idle = alive
+        # The server closed what it had just answered on (llama-server does so after each
+        # streamed answer): its requests open connections of their own, as httpx's would.
+        self.server_closes = len(self.idle) < count
+        return opened
+
+    def close(self) -> None:
+        with self.lock:
+            for connection in self.idle:
+                connection.close()
+            self.idle = []
 
 
 class Recorder:
@@ -437,9 +532,12 @@ def _key(directory: Path, name: str) -> Path:
     return path
 
 
-def write_inventory(path: Path, infos: dict, keys: dict, threads: int) -> Path:
+def write_inventory(
+    path: Path, infos: dict, keys: dict, threads: int, max_body_kib: int | None = None
+) -> Path:
     """The demo rig on the rig sandbox (4 slots, alias smollm2, ``threads`` decode threads,
-    speed unmeasured) and the gateway in front of it."""
+    speed unmeasured) and the gateway in front of it (``gateway.max_body_kib``, hence HAProxy's
+    tune.bufsize, set when given; else group_data/all.yml's)."""
     demo = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
     rig = demo["all"]["children"]["sandbox"]["hosts"]["sandbox"]
     rig["ssh"].update(port=SSH_PORTS[RIG], known_hosts=str(infos[RIG].known_hosts_path))
@@ -467,6 +565,8 @@ def write_inventory(path: Path, infos: dict, keys: dict, threads: int) -> Path:
             "metrics": {"host": "127.0.0.1", "port": METRICS_PORT},
         },
     }
+    if max_body_kib is not None:
+        gateway["gateway"]["max_body_kib"] = max_body_kib
     document = {
         "all": {
             "children": {
@@ -601,21 +701,50 @@ def others(machines: set[str]) -> list[str]:
     return sorted(found, key=lambda line: int(line.split()[0]))
 
 
-def wait_for_others(bound_s: float) -> dict:
-    """Wait while the gateway sandbox test runs (bounded); how long, and whether it ended."""
+def blocking(command: str) -> bool:
+    """Whether a process's command line is one this run waits for: the gateway sandbox test
+    (what ``pgrep -f test_sandbox_gateway`` finds), or any pytest run of a sandbox test."""
+    return OTHER_BENCH in command or ("pytest" in command and "sandbox" in command)
+
+
+def _ancestors() -> set[int]:
+    pids, pid = set(), os.getpid()
+    while pid > 1:
+        pids.add(pid)
+        pid = _parent(pid)
+    return pids
+
+
+def sandbox_tests() -> list[str]:
+    """The processes this run waits for (not this process or those that started it)."""
+    mine = _ancestors()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in mine:
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if command and blocking(command):
+            found.append(f"{entry.name} {command[:160]}")
+    return found
+
+
+def wait_for_others(bound_s: float, poll_s: float = 30) -> dict:
+    """Wait while the gateway sandbox test or another sandbox test runs (bounded, a look every
+    ``poll_s``); how long, and whether they ended."""
     started = time.monotonic()
     while True:
-        running = subprocess.run(
-            ["pgrep", "-f", OTHER_BENCH], capture_output=True, text=True, check=False
-        ).stdout.split()
+        running = sandbox_tests()
         waited = round(time.monotonic() - started, 1)
         if not running:
             return {"waited_s": waited, "still_running": False}
         if waited >= bound_s:
-            return {"waited_s": waited, "still_running": True, "pids": running}
+            return {"waited_s": waited, "still_running": True, "processes": running}
         if waited == 0:
-            _say(f"{OTHER_BENCH} runs (pids {' '.join(running)}): waiting up to {bound_s:.0f} s")
-        time.sleep(10)
+            _say(f"sandbox tests run ({'; '.join(running)[:300]}): waiting up to {bound_s:.0f} s")
+        time.sleep(poll_s)
 
 
 def warm(client: BenchClient, what: str, bound_s: float) -> dict:
@@ -649,16 +778,35 @@ def versions(infos: dict) -> dict:
 
 def measure(args, infos: dict, keys: dict, cafile: Path) -> dict:
     direct = BenchClient(
-        DIRECT_URL, keys["rig"].read_text().strip(), MODEL, None, args.request_timeout
+        DIRECT_URL,
+        keys["rig"].read_text().strip(),
+        MODEL,
+        None,
+        args.request_timeout,
+        keep_alive=args.keep_alive,
     )
     gateway = BenchClient(
-        GATEWAY_URL, keys[USER].read_text().strip(), MODEL, cafile, args.request_timeout
+        GATEWAY_URL,
+        keys[USER].read_text().strip(),
+        MODEL,
+        cafile,
+        args.request_timeout,
+        keep_alive=args.keep_alive,
     )
     clients = {"direct": direct, "gateway": gateway}
+    try:
+        return _measure(args, clients)
+    finally:
+        direct.close()
+        gateway.close()
+
+
+def _measure(args, clients: dict[str, BenchClient]) -> dict:
     warmed = {}
     for side, client in clients.items():
         warm(client, side, 120)
         for _ in range(3):  # the caches, the first handshake, the rig's slots
+            time.sleep(SETTLE_S)  # kept alive: the server's close of the last one, if it does
             warmed[side] = client.request(prompt(-2, args.prompt_words), 16)
         if "error" in warmed[side]:
             raise BenchError(f"{side}: {warmed[side]['error']}")
@@ -674,26 +822,46 @@ def measure(args, infos: dict, keys: dict, cafile: Path) -> dict:
     meter = CpuMeter(pids)
     records: list[dict] = []
     serials = itertools.count()  # every measured request its own prompt, on both sides
-    waits = []
+    waits, paused = [], []
     first = meter.sample()
     for clients_at_once, pair, side in plan(args.clients, args.rounds):
         if time.monotonic() > args.deadline:
             raise RunTimeout("the run's bound passed while measuring")
         if side == order(pair)[0]:
+            if sandbox_tests():  # one started meanwhile: its boot and converge are not quiet
+                left = args.deadline - time.monotonic() - 600
+                paused.append(
+                    {"clients": clients_at_once, "pair": pair}
+                    | wait_for_others(max(0.0, min(args.wait_others, left)))
+                )
             waits.append(wait_quiet(meter, args.quiet_wait))
         recorder = Recorder(clients[side], serials)
+        # keep-alive: K open connections, a new one (the server closed one while idle: the
+        # rig after 5 s, HAProxy after 10 s) warmed by a request before the round
+        opened = (
+            clients[side].keep(clients_at_once, prompt(-3, args.prompt_words))
+            if args.keep_alive
+            else 0
+        )
         before = meter.sample()
         row = served(
             recorder, clients_at_once, 1, args.tokens, args.prompt_words, args.request_timeout
         )
         record = round_record(clients_at_once, pair, side, row, recorder.replies)
         record["cpu_s"] = CpuMeter.used(before, meter.sample())
+        if args.keep_alive:
+            record["warmed_connections"] = opened
         records.append(record)
         _say(
             f"K={clients_at_once} pair {pair + 1}/{args.rounds} {side:>7}:"
             f" {record['tps'] or 0:.1f} t/s, TTFT median"
             f" {statistics.median(record['ttft_ms']) if record['ttft_ms'] else 0:.1f} ms,"
             f" errors {record['errors']}, other CPU {record['cpu_s']['rest_share']:.0%}"
+            + (
+                f", connections opened: {opened} warmed before, {record['new_connections']} in"
+                if args.keep_alive
+                else ""
+            )
         )
     return {
         "records": records,
@@ -701,6 +869,7 @@ def measure(args, infos: dict, keys: dict, cafile: Path) -> dict:
         "cpu_s": CpuMeter.used(first, meter.sample()),
         "quiet_waits_s": [wait["waited_s"] for wait in waits],
         "quiet_not_reached": sum(1 for wait in waits if not wait["quiet"]),
+        "paused_for_sandbox_tests": paused,
         "others_during": others({GATEWAY, RIG}),
     }
 
@@ -778,6 +947,10 @@ def run(args) -> dict:
         "load_average_start": [round(value, 2) for value in os.getloadavg()],
     }
     infos = {}
+    # The other sandbox tests boot and converge their own machines on the same CPUs.
+    meta["others_before_boot"] = wait_for_others(args.wait_others)
+    if meta["others_before_boot"]["still_running"]:
+        raise BenchError(f"sandbox tests still run: {meta['others_before_boot']['processes']}")
     try:
         with tempfile.TemporaryDirectory(prefix="gateway-bench-") as name:
             directory = Path(name)
@@ -790,11 +963,13 @@ def run(args) -> dict:
                     name=sandbox_name,
                     ssh_port=SSH_PORTS[sandbox_name],
                 )
-            inventory = write_inventory(directory / "bench.yml", infos, keys, args.threads)
+            inventory = write_inventory(
+                directory / "bench.yml", infos, keys, args.threads, args.max_body_kib
+            )
             _say("converging the rig and the gateway")
             timeout = max(60, min(CONVERGE_TIMEOUT_S, args.deadline - time.monotonic()))
             seconds, result = pyinfra(inventory, "inventory.py", "deploy.py", timeout=timeout)
-            log = args.out.parent / "deploy.log"  # pyinfra's output: never a key
+            log = deploy_log(args.out)  # pyinfra's output: never a key
             log.parent.mkdir(parents=True, exist_ok=True)
             log.write_text(result.stdout + result.stderr)
             if result.returncode != 0:
@@ -804,6 +979,9 @@ def run(args) -> dict:
             if not cafile.exists():
                 raise BenchError(f"the deploy left no certificate at {cafile}")
             meta["versions"] = versions(infos)
+            meta["haproxy_bufsize"] = _ssh(
+                infos[GATEWAY], "grep -h -m1 tune.bufsize /etc/haproxy/haproxy.cfg"
+            )
             for side, client in (
                 (
                     "direct",
@@ -856,12 +1034,26 @@ def run(args) -> dict:
             "rounds": args.rounds,
             "clients": args.clients,
             "request_timeout_s": args.request_timeout,
+            "connections": (
+                "keep-alive: each client keeps one open connection for its requests, warmed"
+                " by one request when opened; TTFT from sending the request"
+                if args.keep_alive
+                else "a new connection per request; TTFT from opening it"
+            ),
+            "max_body_kib": args.max_body_kib or 1024,
             **measured,
         },
         "goal": {"max_tps_loss": MAX_TPS_LOSS, "max_ttft_delta_ms": MAX_TTFT_DELTA_MS},
         "results": rows,
         "rounds": without_gaps(records),
     }
+
+
+def deploy_log(out: Path) -> Path:
+    """Where a run writes pyinfra's output: deploy.log beside results.json, deploy-NAME.log
+    beside results-NAME.json (another run's log is kept)."""
+    name = out.stem.removeprefix("results").removeprefix("-")
+    return out.with_name(f"deploy-{name}.log" if name else "deploy.log")
 
 
 def _alarm(_signum, _frame):
@@ -886,9 +1078,25 @@ def main(argv: list[str] | None = None) -> int:
         " time to first token, and the gateway's cost does not depend on it)",
     )
     parser.add_argument("--threads", type=int, default=1, help="the rig's server.threads")
+    parser.add_argument(
+        "--keep-alive",
+        action="store_true",
+        help="each client keeps one connection open for all its requests (as httpx does),"
+        " warmed by one request; by default every request opens a connection of its own",
+    )
+    parser.add_argument(
+        "--max-body-kib",
+        type=int,
+        help="the gateway's gateway.max_body_kib for the run (HAProxy's tune.bufsize is it"
+        " x 1024 + 32 KiB); by default group_data/all.yml's, 1024",
+    )
     parser.add_argument("--request-timeout", type=float, default=120, help="seconds per request")
     parser.add_argument(
-        "--wait-others", type=float, default=900, help=f"seconds to wait for {OTHER_BENCH}"
+        "--wait-others",
+        type=float,
+        default=1800,
+        help=f"seconds to wait for {OTHER_BENCH} and other sandbox tests (before booting the"
+        " sandboxes and again before measuring)",
     )
     parser.add_argument(
         "--quiet-wait",
@@ -902,6 +1110,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--clients: at most {SLOTS} (the rig's slots; more would queue)")
     if not 1 <= args.rounds <= 50 or not 1 <= args.tokens <= 400 or not 1 <= args.threads <= 64:
         parser.error("--rounds 1..50, --tokens 1..400 (the slot's context), --threads 1..64")
+    if args.max_body_kib is not None and not 16 <= args.max_body_kib <= 65536:
+        parser.error("--max-body-kib: 16..65536 (the inventory's bounds)")
     if os.geteuid() != 0:
         parser.error("the sandboxes need root (systemd-nspawn)")
     args.deadline = time.monotonic() + args.max_minutes * 60
@@ -919,6 +1129,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(markdown_table(results["results"]), end="")
+    print(f"connections: {results['setup']['connections']}")
+    print(f"gateway: {results['meta'].get('haproxy_bufsize')}")
     print(summary_line(results["results"]))
     ok = all(row["tps_within"] and row["ttft_within"] for row in results["results"])
     return 0 if ok else 1

@@ -71,6 +71,15 @@ class Client:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.model = model
 
+    def _connect(self) -> tuple[http.client.HTTPConnection, dict]:
+        """The connection for one request and what its reply adds about it: here a new one,
+        opened by its request (bench/gateway.py's client opens and times it, or reuses one)."""
+        return http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S), {}
+
+    def _release(self, connection: http.client.HTTPConnection, finished: bool) -> None:
+        """After a request (``finished``: its response was read to the end): closed here."""
+        connection.close()
+
     def request(self, text: str, tokens: int) -> dict:
         """One streamed completion: seconds to the first token, the gaps between tokens, the
         tokens and the prompt tokens the server counted; ``error`` instead on failure."""
@@ -84,11 +93,12 @@ class Client:
         }
         if self.model:
             body["model"] = self.model
-        connection = http.client.HTTPConnection(self.host, self.port, timeout=REQUEST_TIMEOUT_S)
         started = time.perf_counter()
         arrivals: list[float] = []
         usage: dict = {}
+        connection, opened, finished = None, {}, False
         try:
+            connection, opened = self._connect()
             connection.request("POST", "/v1/chat/completions", json.dumps(body), self.headers)
             response = connection.getresponse()
             if response.status != 200:
@@ -104,14 +114,17 @@ class Client:
                     delta = choice.get("delta", {})
                     if delta.get("content") or delta.get("reasoning_content"):
                         arrivals.append(time.perf_counter())
+            finished = True
         except (OSError, ValueError, http.client.HTTPException) as error:
             return {"error": f"{type(error).__name__}: {error}"}
         finally:
-            connection.close()
+            if connection is not None:
+                self._release(connection, finished)
         if not arrivals:
             return {"error": "no token streamed"}
         return {
             "ttft_s": arrivals[0] - started,
+            **opened,
             "gaps_s": [b - a for a, b in zip(arrivals, arrivals[1:], strict=False)],
             "tokens": usage.get("completion_tokens", len(arrivals)),
             "prompt_tokens": usage.get("prompt_tokens"),
