@@ -12,7 +12,7 @@ import shlex
 import pytest
 
 from llamarig.config.addresses import WILDCARD_HOSTS
-from llamarig.facts.gateway import GatewayStat, rigs_up, stat_rows
+from llamarig.facts.gateway import GatewayStat, models_without_rig_up, rigs_up, stat_rows
 from llamarig.onhost import hostpaths
 from llamarig.operations.gateway import fingerprint
 from llamarig.planner.gateway import SERVICE, backend_models
@@ -144,7 +144,7 @@ def test_every_model_has_a_rig_up(host, data, gateway):
             f"{backends[b]}: {', '.join(map(printable, s)) or 'none'} up" for b, s in up.items()
         )
     )
-    missing = [backends[backend] for backend, servers in up.items() if not servers]
+    missing = models_without_rig_up(rows, backends)
     assert not missing, (
         f"the gateway sees no rig up for {', '.join(missing)}: `llamarig verify` or "
         f"`llamarig status` on the rigs that serve it; the gateway's view: echo 'show stat' | "

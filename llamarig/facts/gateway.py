@@ -7,23 +7,40 @@ import shlex
 
 from pyinfra.api import FactBase
 
-# A stats line longer than this is not HAProxy's: cut it rather than hold it.
-_MAX_LINE = 16384
+from llamarig.onhost import hostpaths
 
 
-def stat_rows(output: list[str]) -> list[dict[str, str]]:
-    """``show stat``'s CSV as one dict per row, keyed by the header's column names (`# pxname,
-    svname,...`); rows that do not fit the header are left out. What the box printed is
-    untrusted: nothing here is evaluated, only split."""
-    lines = [line[:_MAX_LINE] for line in output if line.strip()]
-    if not lines or not lines[0].startswith("# "):
-        return []
-    header = next(csv.reader([lines[0][2:]]))
-    rows = []
-    for fields in csv.reader(lines[1:]):
-        if len(fields) >= len(header) - 1 and fields and fields[0]:
-            rows.append(dict(zip(header, fields, strict=False)))
-    return rows
+def runtime_api(*commands: str, socket: str | None = None) -> str:
+    """One shell line sending each command to HAProxy's runtime API on its admin socket (a
+    Unix socket, never on the network; default hostpaths.GATEWAY_ADMIN_SOCKET), each bounded
+    to 5 s."""
+    socket = socket or hostpaths.GATEWAY_ADMIN_SOCKET
+    return "; ".join(
+        f"echo {shlex.quote(command)} | socat -t 5 stdio UNIX-CONNECT:{shlex.quote(socket)}"
+        for command in commands
+    )
+
+
+def read_stat(lines: list[str]) -> list[dict[str, str]] | str:
+    """`show stat`'s rows, each by its header's column names, or why there are none."""
+    start = next((i for i, line in enumerate(lines) if line.startswith("# pxname,")), None)
+    if start is None:
+        said = next((line for line in reversed(lines) if line.strip()), "nothing")
+        return f"no statistics from {hostpaths.GATEWAY_ADMIN_SOCKET}: {said[:300]}"
+    columns = [name.strip() for name in lines[start][2:].split(",")]
+    if not {"pxname", "svname", "status"} <= set(columns):
+        return "HAProxy's `show stat` header lacks pxname, svname or status"
+    try:
+        rows = list(csv.reader(lines[start + 1 :]))
+    except csv.Error as error:
+        return f"HAProxy's `show stat` is not CSV: {str(error)[:200]}"
+    return [dict(zip(columns, row, strict=False)) for row in rows if len(row) >= 2]
+
+
+def stat_rows(lines: list[str]) -> list[dict[str, str]]:
+    """``read_stat``'s rows; none where it found no statistics."""
+    rows = read_stat(lines)
+    return rows if isinstance(rows, list) else []
 
 
 def rigs_up(rows: list[dict[str, str]], backends: dict[str, str]) -> dict[str, list[str]]:
@@ -35,6 +52,11 @@ def rigs_up(rows: list[dict[str, str]], backends: dict[str, str]) -> dict[str, l
             if row.get("status", "").startswith("UP"):
                 up[backend].append(server)
     return up
+
+
+def models_without_rig_up(rows: list[dict[str, str]], backends: dict[str, str]) -> list[str]:
+    """The models (``backends``: HAProxy's backend name -> the model name) with no server UP."""
+    return [backends[backend] for backend, up in rigs_up(rows, backends).items() if not up]
 
 
 class GatewayStat(FactBase):
@@ -52,10 +74,7 @@ class GatewayStat(FactBase):
         return []
 
     def command(self, admin_socket: str) -> str:
-        return (
-            f"echo 'show stat' | socat -t 5 stdio UNIX-CONNECT:{shlex.quote(admin_socket)} "
-            "2>/dev/null; true"
-        )
+        return f"{runtime_api('show stat', socket=admin_socket)} 2>/dev/null; true"
 
     def process(self, output: list[str]) -> list[dict[str, str]]:
         return stat_rows(output)

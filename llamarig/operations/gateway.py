@@ -8,19 +8,27 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import shlex
+import time
 from io import BytesIO
 from pathlib import Path, PurePosixPath
 from typing import IO
 
 from pyinfra import host, logger
-from pyinfra.api import FileUploadCommand, FunctionCommand, operation
+from pyinfra.api import FileUploadCommand, FunctionCommand, StringCommand, operation
 
 from llamarig.facts.cache import known
 from llamarig.facts.files import FileState
-from llamarig.facts.gateway import GatewayStat, rigs_up
+from llamarig.facts.gateway import (
+    GatewayStat,
+    models_without_rig_up,
+    rigs_up,
+    runtime_api,
+    stat_rows,
+)
 from llamarig.operations.files import ATOMIC_SUFFIX, rename_into_place
 from llamarig.operations.host import fail
 from llamarig.tables.certificates import fingerprint
+from llamarig.tables.text import printable
 
 
 @operation()
@@ -78,7 +86,7 @@ def haproxy_applied(service: str, admin_socket: str, state_file: str, servers: l
                         state_file="/var/lib/haproxy/server-state",
                         servers=["model_0 rig1 10.0.0.21 8080"])
     """
-    unit, socket, state = (shlex.quote(value) for value in (service, admin_socket, state_file))
+    unit, state = shlex.quote(service), shlex.quote(state_file)
     wanted = shlex.quote("|".join(servers))
     # show servers state: a version line, a `#` header, then be_id be_name srv_id srv_name
     # srv_addr ... with srv_port in column 19 (format 1).
@@ -90,7 +98,7 @@ def haproxy_applied(service: str, admin_socket: str, state_file: str, servers: l
     yield (
         f"if systemctl is-active -q -- {unit}; then "
         f"mkdir -p $(dirname {state}); "
-        f"echo 'show servers state' | socat -t 5 stdio UNIX-CONNECT:{socket} 2>/dev/null "
+        f"{runtime_api('show servers state', socket=admin_socket)} 2>/dev/null "
         f"| {keep} > {state}.new && mv {state}.new {state} || rm -f {state}.new; "
         f"systemctl reload -- {unit}; "
         f"else systemctl enable -- {unit} && systemctl start -- {unit}; fi"
@@ -205,14 +213,16 @@ def check_gateway(admin_socket: str, backends: dict[str, str]):
             f"HAProxy does not answer on {admin_socket} (systemctl status haproxy)"
         )
         return
-    up = rigs_up(rows, backends)
-    missing = [backends[backend] for backend, servers in up.items() if not servers]
+    missing = models_without_rig_up(rows, backends)
     if missing:
         yield from fail._inner(f"the gateway sees no rig up for: {', '.join(missing)}")
         return
     host.noop(
         "the gateway sees "
-        + "; ".join(f"{backends[b]}: {', '.join(servers)} up" for b, servers in up.items())
+        + "; ".join(
+            f"{backends[b]}: {', '.join(servers)} up"
+            for b, servers in rigs_up(rows, backends).items()
+        )
     )
 
 
@@ -233,28 +243,33 @@ def gateway_serving(admin_socket: str, backends: dict[str, str], timeout: int):
         gateway_serving(admin_socket="/run/haproxy/admin.sock",
                         backends={"model_0": "smollm2"}, timeout=30)
     """
-    socket = shlex.quote(admin_socket)
-    names = " ".join(shlex.quote(f"{backend}={model}") for backend, model in backends.items())
-    # show stat: CSV, pxname (1), svname (2), status (18), check_status (37), last_chk (57).
-    yield f"""
-deadline=$(( $(date +%s) + {int(timeout)} ))
-while :; do
-  stat=$(echo 'show stat' | socat -t 5 stdio UNIX-CONNECT:{socket} 2>&1)
-  missing=""
-  for pair in {names}; do
-    backend=${{pair%%=*}}
-    printf '%s\\n' "$stat" | awk -F, -v b="$backend" \\
-      '$1==b && $2!="BACKEND" && $2!="FRONTEND" && $18 ~ /^UP/ {{found=1}} END {{exit !found}}' \\
-      || missing="$missing $pair"
-  done
-  [ -z "$missing" ] && break
-  if [ $(date +%s) -ge $deadline ]; then
-    echo "llamarig: the gateway sees no rig up for:$missing after {int(timeout)} s; its checks:" >&2
-    printf '%s\\n' "$stat" | awk -F, '$2!="BACKEND" && $2!="FRONTEND" && NR>1 \\
-      {{print "  " $1 "/" $2 ": " $18 " (" $37 " " $57 ")"}}' >&2
-    exit 1
-  fi
-  sleep 1
-done
-echo "llamarig: the gateway sees a rig up for every model"
-""".strip()
+    command = StringCommand(runtime_api("show stat", socket=admin_socket))
+
+    def wait(state, host) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            _, output = host.run_shell_command(command)
+            rows = stat_rows(output.stdout_lines)
+            missing = models_without_rig_up(rows, backends)
+            if not missing:
+                host.log("llamarig: the gateway sees a rig up for every model")
+                return True
+            if time.monotonic() >= deadline:
+                break
+            time.sleep(1)
+        host.log_styled(
+            f"llamarig: the gateway sees no rig up for: {', '.join(missing)} after {timeout} s; "
+            "its checks:",
+            fg="red",
+            log_func=logger.error,
+        )
+        for row in rows:
+            if row.get("svname") not in ("BACKEND", "FRONTEND"):
+                said = (
+                    f"  {row.get('pxname')}/{row.get('svname')}: {row.get('status')} "
+                    f"({row.get('check_status')} {row.get('last_chk')})"
+                )
+                host.log(printable(said), log_func=logger.error)
+        return False
+
+    yield FunctionCommand(wait, (), {})

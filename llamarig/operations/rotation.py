@@ -12,7 +12,6 @@ server coming back from `maint` is UP only once its checks pass, and then takes 
 
 from __future__ import annotations
 
-import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +19,7 @@ from dataclasses import dataclass
 from pyinfra import logger
 from pyinfra.api import FunctionCommand, StringCommand
 
-from llamarig.facts.gateway import stat_rows
-from llamarig.onhost.hostpaths import GATEWAY_ADMIN_SOCKET
+from llamarig.facts.gateway import runtime_api, stat_rows
 from llamarig.operations.host import connected_host
 
 POLL_S = 0.5
@@ -53,14 +51,6 @@ class Rotation:
         )
 
 
-def _runtime_api(commands: list[str]) -> str:
-    """One shell line sending each runtime API command to HAProxy's admin socket."""
-    return "; ".join(
-        f"echo {shlex.quote(command)} | socat -t 5 stdio UNIX-CONNECT:{GATEWAY_ADMIN_SOCKET}"
-        for command in commands
-    )
-
-
 def _at_each_gateway(state, host, rotation: Rotation, why: str, act) -> None:
     for name, servers in rotation.gateways:
         gateway = connected_host(state, name, why)
@@ -81,10 +71,10 @@ def out_of_rotation(state, host, rotation: Rotation) -> None:
 
     def take_out(gateway, name: str, servers: tuple[str, ...]) -> None:
         commands = [f"set server {server} state maint" for server in servers]
-        gateway.run_shell_command(StringCommand(_runtime_api(commands)))
+        gateway.run_shell_command(StringCommand(runtime_api(*commands)))
         started = time.monotonic()
         while True:
-            _, output = gateway.run_shell_command(StringCommand(_runtime_api(["show stat"])))
+            _, output = gateway.run_shell_command(StringCommand(runtime_api("show stat")))
             busy = _sessions(stat_rows(output.stdout_lines), servers)
             waited = time.monotonic() - started
             if busy == 0:
@@ -108,7 +98,7 @@ def back_in_rotation(state, host, rotation: Rotation) -> None:
 
     def ready(gateway, name: str, servers: tuple[str, ...]) -> None:
         commands = [f"set server {server} state ready" for server in servers]
-        gateway.run_shell_command(StringCommand(_runtime_api(commands)))
+        gateway.run_shell_command(StringCommand(runtime_api(*commands)))
         host.log(f"llamarig: back in rotation at gateway {name} ({', '.join(servers)})")
 
     _at_each_gateway(state, host, rotation, f"to put {host.name} back in rotation", ready)

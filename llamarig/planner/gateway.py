@@ -31,11 +31,12 @@ HOLD_ADDRESS = "127.0.0.1:1"
 
 
 def _address(address: str) -> str:
+    """An address as a URL writes it (the plan's lines); the template brackets its own."""
     return f"[{address}]" if ":" in address else address
 
 
 def config_context(data: dict) -> dict:
-    """The values files/haproxy.cfg.j2 is rendered from."""
+    """The values files/haproxy.cfg.j2 is rendered from (addresses raw: it brackets IPv6)."""
     gateway = data["gateway"]
     backends = [
         {
@@ -44,7 +45,7 @@ def config_context(data: dict) -> dict:
             "servers": [
                 {
                     "name": server["name"],
-                    "address": _address(server["address"]),
+                    "address": server["address"],
                     "port": server["port"],
                     "maxconn": server["slots"],
                 }
@@ -54,7 +55,7 @@ def config_context(data: dict) -> dict:
         for index, backend in enumerate(gateway["backends"])
     ]
     return {
-        "listen_host": _address(gateway["host"]),
+        "listen_host": gateway["host"],
         "listen_port": gateway["port"],
         "tls_pem": hostpaths.GATEWAY_TLS_PEM,
         "users_map": hostpaths.GATEWAY_USERS_MAP,
@@ -72,7 +73,7 @@ def config_context(data: dict) -> dict:
         "maxconn": gateway["max_connections"],
         "stats_socket": hostpaths.GATEWAY_ADMIN_SOCKET,
         "server_state_file": hostpaths.GATEWAY_SERVER_STATE,
-        "metrics_host": _address(gateway["metrics"]["host"]),
+        "metrics_host": gateway["metrics"]["host"],
         "metrics_port": gateway["metrics"]["port"],
         "api_paths": API_PATHS,
         "backends": backends,

@@ -9,11 +9,11 @@ lines are escaped by the caller (``llamarig.tables.text.printable``)."""
 
 from __future__ import annotations
 
-import csv
 import re
 import shlex
 from dataclasses import dataclass, field
 
+from llamarig.facts.gateway import read_stat, runtime_api
 from llamarig.onhost import hostpaths
 from llamarig.onhost.progress import format_duration
 from llamarig.planner.gateway import HOLD_SERVER, SERVICE, backend_id
@@ -92,13 +92,12 @@ class GatewayStatus:
 
 def probe_lines(section) -> list[str]:
     """The shell lines (between ``section(NAME)`` markers) whose output `parse` reads."""
-    socket = shlex.quote(f"UNIX-CONNECT:{hostpaths.GATEWAY_ADMIN_SOCKET}")
     return [
         section("gateway-unit"),
         "systemctl show -p ActiveState -p SubState -p MainPID "
         f"-p ActiveEnterTimestampMonotonic -- {SERVICE} 2>/dev/null",
         section("gateway-stat"),
-        f"echo 'show stat' | socat -t 5 stdio {socket} 2>&1 | head -c {MAX_STAT_BYTES}; echo",
+        f"{runtime_api('show stat')} 2>&1 | head -c {MAX_STAT_BYTES}; echo",
         section("gateway-cert"),
         f"cat -- {shlex.quote(hostpaths.GATEWAY_TLS_CERT)} 2>&1 | head -c {MAX_CERT_BYTES}; echo",
     ]
@@ -110,22 +109,6 @@ def count(row: dict[str, str], *columns: str) -> int | None:
     if not all(_COUNT.fullmatch(value) for value in values):
         return None
     return sum(int(value) for value in values)
-
-
-def stat_rows(lines: list[str]) -> list[dict[str, str]] | str:
-    """`show stat`'s rows, each by its header's column names, or why there are none."""
-    start = next((i for i, line in enumerate(lines) if line.startswith("# pxname,")), None)
-    if start is None:
-        said = next((line for line in reversed(lines) if line.strip()), "nothing")
-        return f"no statistics from {hostpaths.GATEWAY_ADMIN_SOCKET}: {said[:300]}"
-    columns = [name.strip() for name in lines[start][2:].split(",")]
-    if not {"pxname", "svname", "status"} <= set(columns):
-        return "HAProxy's `show stat` header lacks pxname, svname or status"
-    try:
-        rows = list(csv.reader(lines[start + 1 :]))
-    except csv.Error as error:
-        return f"HAProxy's `show stat` is not CSV: {str(error)[:200]}"
-    return [dict(zip(columns, row, strict=False)) for row in rows if len(row) >= 2]
 
 
 def _rig(name: str, row: dict[str, str] | None) -> GatewayRig:
@@ -208,7 +191,7 @@ def parse(data: dict, found: dict[str, list[str]]) -> GatewayStatus:
     if view.tls_sha256 is None:
         said = next((line for line in cert if line.strip()), "nothing")
         view.tls_note = f"no certificate in {hostpaths.GATEWAY_TLS_CERT}: {said[:200]}"
-    rows = stat_rows(found.get("gateway-stat", []))
+    rows = read_stat(found.get("gateway-stat", []))
     if isinstance(rows, str):
         view.note = rows
         return view
