@@ -33,6 +33,7 @@ from llamarig import CACHE_DIR
 from llamarig.tables.certificates import fingerprint
 from tests import sandboxes
 from tests.conftest import PROJECT
+from tests.gateway_clients import QUESTION, Endpoint, Streaming, stream_chat, whole
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
@@ -45,7 +46,6 @@ SSH_PORTS = {GATEWAY: 2240, RIG_A: 2241, RIG_B: 2242}
 RIG_PORTS = {RIG_A: 8111, RIG_B: 8112}
 GATEWAY_PORT, METRICS_PORT = 8443, 8405
 GATEWAY_URL = f"https://127.0.0.1:{GATEWAY_PORT}"
-QUESTION = {"role": "user", "content": "What is the capital of France? Answer in one word."}
 USERS = ("alice", "bob")
 
 
@@ -341,42 +341,18 @@ def test_a_revoked_user_is_refused_at_the_next_request(team):
     assert changed_operations(sandboxes.converge(team["path"])) != []  # bob back
 
 
-def stream_chat(team, user: str, tokens: int, said: dict) -> None:
-    """One streamed chat completion of ``tokens`` tokens through the gateway; ``said`` gets
-    the HTTP status, the finish reason, the chunks, the start and end, and any error."""
-    body = {"model": "smollm2", "messages": [QUESTION], "max_tokens": tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
-    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {key_of(team, user)}"}
-    request = urllib.request.Request(
-        GATEWAY_URL + "/v1/chat/completions", json.dumps(body).encode(), headers
+def endpoint(team, user: str = "alice") -> Endpoint:
+    """The gateway as ``user`` asking for SmolLM2 sees it."""
+    return Endpoint(
+        GATEWAY_URL, team["dir"] / "gateway-certs" / "gw.crt", key_of(team, user), "smollm2"
     )
-    said.update(start=time.monotonic(), chunks=0)
-    try:
-        with urllib.request.urlopen(request, timeout=300, context=tls_context(team)) as reply:
-            said["status"] = reply.status
-            for line in reply:
-                if line.startswith(b"data: {"):
-                    chunk = json.loads(line[len(b"data: ") :])
-                    said["chunks"] += 1
-                    said.setdefault("first", time.monotonic())
-                    reason = (chunk.get("choices") or [{}])[0].get("finish_reason")
-                    said["finish"] = reason or said.get("finish")
-    except urllib.error.HTTPError as error:
-        said.update(
-            status=error.code,
-            body=error.read().decode(),
-            retry_after=error.headers.get("Retry-After"),
-        )
-    except Exception as error:  # noqa: BLE001 - whatever cut the stream is the finding
-        said["error"] = repr(error)
-    said["end"] = time.monotonic()
 
 
 def clients_at_once(team, count: int, tokens: int) -> list[dict]:
     """``count`` streamed chats started together; each one's ``stream_chat`` record."""
     records = [{} for _ in range(count)]
     threads = [
-        threading.Thread(target=stream_chat, args=(team, "alice", tokens, record))
+        threading.Thread(target=stream_chat, args=(endpoint(team), tokens, record))
         for record in records
     ]
     for thread in threads:
@@ -468,7 +444,7 @@ def test_a_killed_rig_is_taken_out_and_takes_requests_again_once_back(team):
             if time.monotonic() > deadline:
                 return
             record: dict = {}
-            stream_chat(team, "alice", 24, record)
+            stream_chat(endpoint(team), 24, record)
             records.append(record)
 
     clients = [threading.Thread(target=client) for _ in range(4)]
@@ -503,34 +479,6 @@ def rollout(path: Path) -> subprocess.CompletedProcess:
     result = sandboxes.llamarig(path, "rollout")
     assert result.returncode == 0, (result.stdout + result.stderr)[-8000:]
     return result
-
-
-class Streaming:
-    """``count`` clients, each sending a streamed chat as soon as its last ended, until
-    stopped (bounded: 300 requests each, 15 minutes)."""
-
-    def __init__(self, team, count: int, tokens: int = 24):
-        self.records: list[dict] = []
-        self.stop = threading.Event()
-        deadline = time.monotonic() + 900
-
-        def client() -> None:
-            for _ in range(300):
-                if self.stop.is_set() or time.monotonic() > deadline:
-                    return
-                record: dict = {}
-                stream_chat(team, "alice", tokens, record)
-                self.records.append(record)
-
-        self.threads = [threading.Thread(target=client) for _ in range(count)]
-        for thread in self.threads:
-            thread.start()
-
-    def finish(self) -> list[dict]:
-        self.stop.set()
-        for thread in self.threads:
-            thread.join(timeout=300)
-        return self.records
 
 
 class OutOfService:
@@ -578,19 +526,13 @@ def gateway_said(team, since: str) -> str:
     )
 
 
-def whole(record: dict) -> bool:
-    return (
-        record.get("status") == 200 and record.get("finish") == "length" and "error" not in record
-    )
-
-
 def rolled_out_under_load(team, path: Path, clients: int) -> tuple[list[dict], str]:
     """`llamarig rollout` of ``path`` with ``clients`` streaming before, throughout and after;
     every request's record and the rollout's output, which must succeed. A request that did
     not end whole is a failure unless the caller allows it; the gateway's log of the requests
     that did not end 200 is appended to the output for the message."""
     since = gateway_clock(team)
-    streaming = Streaming(team, clients)
+    streaming = Streaming(endpoint(team), clients)
     try:
         time.sleep(2)
         result = rollout(path)

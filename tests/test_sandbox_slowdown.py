@@ -36,16 +36,14 @@ default (10%).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shlex
-import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -53,8 +51,8 @@ from typing import Any, NamedTuple
 import pytest
 
 from llamarig.serving.pace import ROUNDS
-from llamarig_sandbox.processes import signal_all
 from tests import sandboxes
+from tests.halting import SERVICE, halted_most_of_the_time, option
 from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
 
 # `alone`: its verdicts rest on speeds measured on this machine, so the tiers run it after the
@@ -65,69 +63,8 @@ if os.geteuid() != 0:
     pytest.skip("the sandbox rig needs root (systemd-nspawn)", allow_module_level=True)
 
 NAME, SSH_PORT, SERVER_PORT = "sandbox-slow", 2233, 8099
-SERVICE = "llama-server"
 BUSY_MAX_SLOWDOWN = 0.25
 THREADS = 1
-HALTED_S, RUNNING_S = 0.035, 0.005
-
-
-def server_processes(matches: Callable[[list[str]], bool]) -> list[int]:
-    """PIDs of this sandbox's llama-server processes (by their port) whose argv ``matches``."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if not entry.name.isdigit() or (entry / "comm").read_text().strip() != SERVICE:
-                continue
-            argv = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue  # gone meanwhile
-        if option(argv, "--port") == str(SERVER_PORT) and matches(argv):
-            pids.append(int(entry.name))
-    return pids
-
-
-def option(argv: list[str], name: str) -> str | None:
-    """The value that follows ``name`` in ``argv``, or None."""
-    return next((value for flag, value in zip(argv, argv[1:], strict=False) if flag == name), None)
-
-
-@contextmanager
-def halted_most_of_the_time(matches: Callable[[list[str]], bool]) -> Iterator[threading.Event]:
-    """While inside, the servers whose argv ``matches`` are stopped for HALTED_S of every
-    HALTED_S + RUNNING_S; setting the event yielded ends it early. Every process is continued
-    on the way out.
-
-    The same slowness under any load: the servers are found afresh (a restart makes a new
-    process) while the ones known are stopped, so a slow look through /proc lengthens a halt,
-    never a run; and the thread that signals runs at a real-time priority, so a busy CPU delays
-    neither its stop nor its continue. Before, it looked through /proc while the servers ran:
-    beside the unit tests' burst of interpreters a look of the halved version decoded at 70.3
-    tokens/s against 44-45 in the looks before it, and the rollback this module proves did not
-    happen (a CI run here, 2026-12-05)."""
-    done = threading.Event()
-
-    def stutter() -> None:
-        with contextlib.suppress(OSError):  # this thread only; without it, as before
-            os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
-        stopped: list[int] = []
-        while not done.is_set():
-            halt_ends = time.monotonic() + HALTED_S
-            signal_all(stopped, signal.SIGSTOP)
-            found = server_processes(matches)
-            signal_all([pid for pid in found if pid not in stopped], signal.SIGSTOP)
-            stopped = found
-            time.sleep(max(0.0, halt_ends - time.monotonic()))
-            signal_all(stopped, signal.SIGCONT)
-            done.wait(RUNNING_S)
-
-    worker = threading.Thread(target=stutter, daemon=True)
-    worker.start()
-    try:
-        yield done
-    finally:
-        done.set()
-        worker.join()
-        signal_all(server_processes(lambda argv: True), signal.SIGCONT)
 
 
 class Rig(NamedTuple):
@@ -192,7 +129,7 @@ def test_a_slower_version_is_rolled_back_with_both_speeds(rig):
     print(f"ctx 2048: {recorded} tokens/s recorded with the version that served")
     assert float(recorded) > 0 and ctx_running(info) == "2048"
 
-    with halted_most_of_the_time(lambda argv: option(argv, "-c") == "1024"):
+    with halted_most_of_the_time(SERVER_PORT, lambda argv: option(argv, "-c") == "1024"):
         result = sandboxes.deploy(inventory(rig, ctx=1024))
     output = result.stdout + result.stderr
     print("\n".join(line for line in output.splitlines() if "decodes at" in line))
@@ -254,7 +191,7 @@ def test_a_busy_spell_while_the_new_version_is_measured_refuses_nothing(rig):
     info = rig.info
     record = f"/var/lib/llamarig/last-good/{SERVICE}/decode-tps"
     sandboxes.converge(inventory(rig, ctx=2048, max_slowdown=BUSY_MAX_SLOWDOWN))
-    with halted_most_of_the_time(lambda argv: "--metrics" not in argv) as busy_spell:
+    with halted_most_of_the_time(SERVER_PORT, lambda argv: "--metrics" not in argv) as busy_spell:
 
         def quiet_when_the_last_version_is_measured(line: str) -> None:
             if "measuring the last version that served again, side by side" in line:
