@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import yaml
+from pyinfra.facts.server import Arch, LinuxDistribution
 
 from llamarig.checks.runner import verify_host
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
@@ -21,12 +22,13 @@ from llamarig.config.lock import lock_path, record_header, resolved
 from llamarig.config.problems import Problem, located
 from llamarig.config.shapes import host_name_problem
 from llamarig.config.ssh import SshTarget
+from llamarig.facts.build import CpuFlags
 from llamarig.model.catalog import MODEL_NAME, model_views
 from llamarig.model.gguf import GgufError
 from llamarig.model.reference import HubError
 from llamarig.onhost import hostpaths
 from llamarig.onhost.httpbounds import HttpTimeouts
-from llamarig.planner import gateway, render
+from llamarig.planner import fleet, gateway, render
 from llamarig.planner.enroll import (
     ProbeError,
     argument_problems,
@@ -91,17 +93,45 @@ def _plan(args: argparse.Namespace) -> int:
         for warning in found[1].warnings if found else []:
             print(f"{name}: {printable(warning)}", file=sys.stderr)
     views = gateway.plan_views(load_inventory(), plans, list(planned))
+    keys = _build_keys(args, plans)
+    sources = fleet.sources({name: key for name, key in keys.items() if key})
     if args.json:
         documents = {name: gateway.plan_document(*view) for name, view in views.items()}
+        for name, key in keys.items():
+            documents[name]["build"] = {
+                "build_id": render.build_id(plans[name].resolved),
+                **({"key": key.key, "platform": key.platform, "shared": key.shared,
+                    "shipped_from": sources.get(name) or None} if key else {}),
+            }  # fmt: skip
         print(json.dumps({"hosts": documents}, indent=2))
     else:
         for name, view in views.items():
-            print("\n".join(gateway.plan_lines(name, *view, unit=args.unit)))
+            lines = gateway.plan_lines(name, *view, unit=args.unit)
+            if name in keys:
+                build_id = render.build_id(plans[name].resolved)
+                lines.insert(1, fleet.build_line(keys[name], build_id, sources.get(name, "")))
+            print("\n".join(lines))
     if not all(p.fits for p in plans.values()):
         return 1
     if any(p.blind for p in plans.values()) and not args.allow_provisional:
         return PROVISIONAL_STATUS
     return 0
+
+
+def _build_keys(args: argparse.Namespace, plans: dict[str, HostPlan]) -> dict:
+    """Each rig's build key (planner/fleet.py), read from the host with --probe (or a local
+    one); None where the host is not contacted."""
+    keys = {}
+    for name, plan in plans.items():
+        data = plan.resolved
+        if not (args.probe or data["ssh"].get("local")):
+            keys[name] = None
+            continue
+        read = shell_reader(data)
+        keys[name] = fleet.build_key(
+            data, read(LinuxDistribution), read(Arch), read(CpuFlags), name
+        )
+    return keys
 
 
 def _lock(args: argparse.Namespace) -> int:

@@ -1,17 +1,18 @@
 """llama.cpp: build dependencies, the pinned commit, one build per (commit, options) in its own
-directory, and the `current` link the service runs through."""
+directory, and the `current` link the service runs through. Rigs of one build key build once:
+the first builds, the others get its build shipped, checked (converge/builds.py)."""
 
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
 
 from llamarig import operations
-from llamarig.converge import stage
+from llamarig.converge import builds, stage
 from llamarig.facts.build import MissingCommands
 from llamarig.facts.cache import known
 from llamarig.facts.files import FileState
 from llamarig.model.catalog import is_router
-from llamarig.planner import render
-from llamarig.tables.packages import BUILD_DEPENDENCIES, build_tools
+from llamarig.planner import fleet, render
+from llamarig.tables.packages import BUILD_DEPENDENCIES, SHIPPED_BUILD_RUNTIME, build_tools
 
 
 @api.deploy("tasks/llama_cpp.py")
@@ -23,8 +24,55 @@ def deploy() -> OperationMeta:
     # The plan's data: CUDA architectures from the probed GPUs when none are declared.
     rig = stage.plan().resolved
     paths = render.layout(rig)
-    llama_cpp = rig["llama_cpp"]
 
+    share = builds.share(rig)
+    build = _build(rig, paths) if share.how == "build" else None
+    if share.source_rig:
+        operations.pack_build(
+            name=f"Keep build {share.key.key} for the other rigs of its key",
+            build_dir=paths["build"],
+            key=share.key.key,
+            build_id=share.key.build_id,
+            platform=share.key.platform,
+            cuda_architectures=fleet.cuda_architectures(rig),
+            needed=share.needed,
+        )
+    # pyinfra runs each host's operations in order, not the hosts' in step: the builds and
+    # their packing must be done before any rig of their key is sent its build.
+    operations.barrier(name="Every build of this run made and kept before any is shipped")
+    if build is None:
+        build = _receive(rig, paths, share)
+    # A command line the binary does not know must stop the run before the link and unit change.
+    # The file that carries the command line: the unit, or the launcher where no systemd runs it.
+    command_file, command_text = (
+        (paths["unit"], render.render_unit(rig))
+        if rig["server"]["supervisor"] == "systemd"
+        else (paths["launcher"], render.render_launcher(rig))
+    )
+    command_files = [(command_file, command_text)]
+    if is_router(rig):  # the presets carry each model's options
+        command_files.append((paths["presets"], render.render_presets(rig)))
+    command_differs = any(
+        (known(FileState, path=path) or {}).get("sha256") != render.sha256_text(text)
+        for path, text in command_files
+    )
+    if rig["role"] != "rpc-worker":
+        operations.check_server_flags(
+            name="llama-server knows every option of the command line (and of the presets)",
+            binary=f"{paths['build']}/bin/llama-server",
+            args=render.server_args(rig) + render.preset_flags(rig),
+            _if=lambda: build.did_change() or command_differs,
+        )
+    return operations.symlink(
+        name="Point `current` at this build",
+        path=paths["current"],
+        target=paths["build"],
+    )
+
+
+def _build(rig: dict, paths: dict) -> OperationMeta:
+    """Compile the build here: its dependencies, the source at the pinned commit, CMake."""
+    llama_cpp = rig["llama_cpp"]
     if llama_cpp["build_dependencies"] == "apt":
         operations.apt_packages(
             name="Build dependencies of llama.cpp",
@@ -60,29 +108,24 @@ def deploy() -> OperationMeta:
         ccache_dir=rig["paths"]["ccache"] if llama_cpp["ccache"] else None,
         ccache_basedir=rig["paths"]["prefix"],
     )
-    # A command line the binary does not know must stop the run before the link and unit change.
-    # The file that carries the command line: the unit, or the launcher where no systemd runs it.
-    command_file, command_text = (
-        (paths["unit"], render.render_unit(rig))
-        if rig["server"]["supervisor"] == "systemd"
-        else (paths["launcher"], render.render_launcher(rig))
-    )
-    command_files = [(command_file, command_text)]
-    if is_router(rig):  # the presets carry each model's options
-        command_files.append((paths["presets"], render.render_presets(rig)))
-    command_differs = any(
-        (known(FileState, path=path) or {}).get("sha256") != render.sha256_text(text)
-        for path, text in command_files
-    )
-    if rig["role"] != "rpc-worker":
-        operations.check_server_flags(
-            name="llama-server knows every option of the command line (and of the presets)",
-            binary=f"{paths['build']}/bin/llama-server",
-            args=render.server_args(rig) + render.preset_flags(rig),
-            _if=lambda: build.did_change() or command_differs,
+    return build
+
+
+def _receive(rig: dict, paths: dict, share: builds.Share) -> OperationMeta:
+    """Get the build of this rig's key shipped (no compiler, no source tree here): the
+    libraries a build needs at run time, then the checked build (nothing, once it has it)."""
+    if rig["llama_cpp"]["build_dependencies"] == "apt":
+        operations.apt_packages(
+            name="Run-time libraries of a shipped llama.cpp build",
+            packages=sorted(SHIPPED_BUILD_RUNTIME),
+            no_recommends=True,
         )
-    return operations.symlink(
-        name="Point `current` at this build",
-        path=paths["current"],
-        target=paths["build"],
+    return operations.install_shipped_build(
+        name=f"Build {share.key.key}, shipped from {share.source}",
+        key=share.key.key,
+        build_dir=paths["build"],
+        marker=paths["build_marker"],
+        manifest=render.build_manifest(rig),
+        cuda_architectures=fleet.cuda_architectures(rig),
+        source=share.source,
     )

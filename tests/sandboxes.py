@@ -23,9 +23,22 @@ def _deploy_call(inventory: Path, extra: tuple[str, ...]) -> dict:
     return {
         "args": [sys.executable, "-m", "pyinfra", "-y", *extra, "inventory.py", "deploy.py"],
         "cwd": PROJECT,
-        "env": pyinfra_env(RIG_INVENTORY=str(inventory)),
+        "env": _env(inventory),
         "text": True,
     }
+
+
+def _env(inventory: Path) -> dict:
+    """The commands' environment: the inventory, and the control machine's build cache beside
+    it (each scenario's own, so no scenario gets another's build)."""
+    return pyinfra_env(
+        RIG_INVENTORY=str(inventory), LLAMARIG_BUILD_CACHE=str(build_cache(inventory))
+    )
+
+
+def build_cache(inventory: Path) -> Path:
+    """The control machine's build cache of the scenario whose inventory is ``inventory``."""
+    return inventory.parent / "build-cache"
 
 
 def deploy(inventory: Path, *extra: str, timeout: int = 3600) -> subprocess.CompletedProcess:
@@ -36,10 +49,14 @@ def deploy(inventory: Path, *extra: str, timeout: int = 3600) -> subprocess.Comp
 def deploy_watched(inventory: Path, on_line: Callable[[str], None]) -> tuple[int, str]:
     """The deploy above, each line of its output (stdout and stderr) handed to ``on_line`` as
     it comes; its exit status and whole output."""
+    return _watched(_deploy_call(inventory, ()), on_line)
+
+
+def _watched(call: dict, on_line: Callable[[str], None]) -> tuple[int, str]:
+    # Each line as it is written, not when a pipe's buffer fills: a watcher acts on the moment.
+    call["env"]["PYTHONUNBUFFERED"] = "1"
     lines = []
-    with subprocess.Popen(
-        **_deploy_call(inventory, ()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    ) as run:
+    with subprocess.Popen(**call, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as run:
         for line in run.stdout:
             lines.append(line)
             on_line(line)
@@ -72,14 +89,16 @@ def verify(inventory: Path, *pytest_args: str) -> subprocess.CompletedProcess:
 
 def llamarig(inventory: Path, *args: str) -> subprocess.CompletedProcess:
     """`llamarig ARGS` with RIG_INVENTORY=inventory."""
-    return subprocess.run(
-        [sys.executable, "-m", "llamarig.cli", *args],
-        cwd=PROJECT,
-        env=pyinfra_env(RIG_INVENTORY=str(inventory)),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return subprocess.run(**_llamarig_call(inventory, args), capture_output=True, timeout=600)
+
+
+def _llamarig_call(inventory: Path, args: tuple[str, ...]) -> dict:
+    return {
+        "args": [sys.executable, "-m", "llamarig.cli", *args],
+        "cwd": PROJECT,
+        "env": _env(inventory),
+        "text": True,
+    }
 
 
 def assert_verify_names_a_stopped_service(info, inventory: Path, service: str) -> None:

@@ -23,7 +23,7 @@ from llamarig.config.gateways import runs_gateway
 from llamarig.config.lock import LockError, lock_path, resolved
 from llamarig.converge import boot
 from llamarig.facts.apt import AptListsAge, PackageVersions
-from llamarig.facts.build import BuildDirectories, MissingCommands
+from llamarig.facts.build import BuildDirectories, CpuFlags, MissingCommands
 from llamarig.facts.cache import known, prefetch
 from llamarig.facts.driver import DriverBuildFailure, FirmwareBoot
 from llamarig.facts.files import FileIdentity, FileState, JsonFile, RecordedSha256
@@ -107,6 +107,7 @@ def read_system() -> None:
     requests = [
         (LinuxDistribution, {}),
         (Arch, {}),
+        (CpuFlags, {}),
         (KernelVersion, {}),
         (FirmwareBoot, {}),
         (NvidiaPciDevices, {}),
@@ -138,6 +139,7 @@ def read_managed_state() -> None:
         (AptListsAge, {}),
         (Link, {"path": paths["current"]}),
         (JsonFile, {"path": paths["build_marker"]}),
+        (File, {"path": f"{paths['build']}/CMakeCache.txt"}),  # compiled here, not shipped
         (GitLocalCommit, {"repo": paths["source"]}),
         (BuildDirectories, {"path": paths["builds"]}),
         (FileContents, {"path": f"{paths['last_good']}/current"}),

@@ -71,3 +71,21 @@ class NvccVersion(FactBase):
     def process(self, output: list[str]) -> str | None:
         version = output[0].strip() if output else ""
         return version if re.fullmatch(r"\d+\.\d+", version) else None
+
+
+class CpuFlags(FactBase):
+    """The CPU's feature flags (the first processor of /proc/cpuinfo), sorted: what a build
+    with GGML_NATIVE (`-march=native`) is made for.
+
+    .. code:: python
+
+        ["avx", "avx2", "fma", "sse4_2"]
+    """
+
+    default = list
+
+    def command(self) -> str:
+        return "grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2; true"
+
+    def process(self, output: list[str]) -> list[str]:
+        return sorted({flag for line in output for flag in line.split() if flag.isprintable()})

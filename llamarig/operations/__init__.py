@@ -53,6 +53,7 @@ from llamarig.operations.serve import (
     wait_for_port,
     wrong_answers,
 )
+from llamarig.operations.shipping import install_shipped_build, pack_build
 from llamarig.operations.systemd import (
     check_unit_active,
     journal_tail_command,
@@ -71,6 +72,8 @@ __all__ = [
     "absent",
     "apt_lists_fresh",
     "apt_packages",
+    "install_shipped_build",
+    "pack_build",
     "atomic_file",
     "barrier",
     "check_file",

@@ -20,6 +20,11 @@ BUILD_DEPENDENCIES = (
     "ca-certificates",
 )
 
+# What a shipped llama.cpp build needs at run time on a rig that installs no compiler: OpenMP
+# (the CPU backend), and curl with TLS for the deploy's checks. The C++ and TLS libraries come
+# with the base system and curl.
+SHIPPED_BUILD_RUNTIME = ("libgomp1", "curl", "ca-certificates")
+
 
 def build_tools(ccache: bool) -> list[str]:
     """The commands a build with ``build_dependencies: preinstalled`` needs on the PATH."""
