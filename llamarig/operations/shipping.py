@@ -4,6 +4,7 @@ it from there, checked (onhost/build_archive.py) before it is put in place."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import shlex
@@ -75,10 +76,10 @@ def pack_build(
 
 def _fetch(state, host, key, archive, sums, build_id, platform, cuda_architectures) -> bool:  # noqa: ARG001 - pyinfra's callback signature
     root = build_archive.cache_root()
-    root.mkdir(parents=True, exist_ok=True, mode=0o700)
     local = root / f".{key}.{os.getpid()}.{time.monotonic_ns()}.tar"
     listing = io.BytesIO()
     try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
         started = time.monotonic()
         if not host.get_file(archive, str(local)) or not host.get_file(sums, listing):
             _log_error(host, f"could not fetch {archive} from {host.name}")
@@ -90,8 +91,16 @@ def _fetch(state, host, key, archive, sums, build_id, platform, cuda_architectur
     except CachedBuildError as error:
         _log_error(host, f"the build fetched from {host.name} is refused: {error}")
         return False
+    except OSError as error:  # the cache's directory: not writable, a file, a full disk
+        _log_error(
+            host,
+            f"cannot keep build {key} in {root} ({error}); fix the directory, or set "
+            "LLAMARIG_BUILD_CACHE to a writable one",
+        )
+        return False
     finally:
-        local.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            local.unlink(missing_ok=True)
     size = (build_archive.entry(key) / build_archive.ARCHIVE).stat().st_size
     host.log(
         f"llamarig: build {key} kept in {build_archive.entry(key)} ({len(manifest.files)} "
