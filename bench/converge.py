@@ -200,13 +200,16 @@ def markdown(results: dict) -> str:
     )
 
 
-def replace_section(document: str, section: str) -> str:
-    """``document`` with the text between the converge markers replaced by ``section``
-    (appended with the markers when they are not there yet)."""
-    block = f"{SECTION_BEGIN}\n{section.rstrip()}\n{SECTION_END}"
-    if SECTION_BEGIN in document and SECTION_END in document:
-        before, rest = document.split(SECTION_BEGIN, 1)
-        return before + block + rest.split(SECTION_END, 1)[1]
+def replace_section(
+    document: str, section: str, begin: str = SECTION_BEGIN, end: str = SECTION_END
+) -> str:
+    """``document`` with the text between the markers ``begin`` and ``end`` (the converge
+    bench's by default) replaced by ``section`` (appended with the markers when they are not
+    there yet)."""
+    block = f"{begin}\n{section.rstrip()}\n{end}"
+    if begin in document and end in document:
+        before, rest = document.split(begin, 1)
+        return before + block + rest.split(end, 1)[1]
     return document.rstrip("\n") + "\n\n" + block + "\n"
 
 

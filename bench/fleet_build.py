@@ -49,6 +49,8 @@ from pathlib import Path
 
 import yaml
 
+from bench import converge
+
 PROJECT = Path(__file__).resolve().parent.parent
 OUT_DIR = PROJECT / "bench" / "runs" / "fleet-build"
 RESULTS_MD = PROJECT / "bench" / "RESULTS.md"
@@ -317,11 +319,7 @@ def _moved(record: dict) -> str:
 def replace_section(document: str, section: str) -> str:
     """``document`` with the text between this bench's markers replaced by ``section``
     (appended with the markers when they are not there yet)."""
-    block = f"{SECTION_BEGIN}\n{section.rstrip()}\n{SECTION_END}"
-    if SECTION_BEGIN in document and SECTION_END in document:
-        before, rest = document.split(SECTION_BEGIN, 1)
-        return before + block + rest.split(SECTION_END, 1)[1]
-    return document.rstrip("\n") + "\n\n" + block + "\n"
+    return converge.replace_section(document, section, SECTION_BEGIN, SECTION_END)
 
 
 # --- CPU time, read from this machine's /proc --------------------------------------------------
