@@ -26,11 +26,12 @@ from llamarig.onhost.build_archive import CachedBuildError
 from llamarig.planner import fleet, render
 from llamarig.tables.text import printable
 
-# The key each rig of this run told, the rigs that are to get each key's build shipped, and
-# each rig's share.
-_keys: dict[str, str] = {}
+# The key each rig of this run told, the rigs that are to get each key's build shipped, each
+# rig's share, and whether the cache held a sound build of a key when the run was prepared.
+_keys: dict[str, fleet.BuildKey] = {}
 _receivers: dict[str, list[str]] = {}
 _shares: dict[str, Share] = {}
+_cache_verdicts: dict[str, bool] = {}
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ def share(data: dict) -> Share:
     complete = known(JsonFile, path=paths["build_marker"]) == render.build_manifest(data)
     # A build compiled here leaves CMake's tree beside bin/; a shipped one is bin/ alone.
     shipped_before = complete and not known(File, path=f"{paths['build']}/CMakeCache.txt")
-    _keys[host.name] = key.key
-    first = next(name for name in _every_rig_told() if _keys.get(name) == key.key)
+    _keys[host.name] = key
+    told = {name: _keys[name] for name in _every_rig_told()}
+    first = fleet.sources(told)[host.name] or host.name  # the rule `llamarig plan` shows
     if not key.shared or complete:
         how, source = ("receive", "") if shipped_before else ("build", "")
     elif _cache_holds(key.key):
@@ -101,8 +103,15 @@ def _every_rig_told() -> list[str]:
 
 
 def _cache_holds(key: str) -> bool:
-    """Whether the cache holds a sound build of ``key``; one that is there but not sound is
-    named (it is replaced by a fresh one)."""
+    """Whether the cache holds a sound build of ``key`` as the run is prepared, checked once
+    per key (every file hashed); one that is there but not sound is named (it is replaced by a
+    fresh one). Each rig's build is checked again before it is sent."""
+    if key not in _cache_verdicts:
+        _cache_verdicts[key] = _check_cache(key)
+    return _cache_verdicts[key]
+
+
+def _check_cache(key: str) -> bool:
     try:
         build_archive.verified(key)
     except CachedBuildError as error:

@@ -85,8 +85,8 @@ def sources(keys: dict[str, BuildKey]) -> dict[str, str]:
     first: dict[str, str] = {}
     found = {}
     for name, key in keys.items():
-        found[name] = first.setdefault(key.key, name) if key.shared else name
-        found[name] = "" if found[name] == name else found[name]
+        source = first.setdefault(key.key, name) if key.shared else name
+        found[name] = "" if source == name else source
     return found
 
 
