@@ -196,11 +196,11 @@ def demo_rig_inventory(path: Path, name: str, ssh_port: int, edit: Callable[[dic
     return path
 
 
-def new_api_key(directory: Path) -> tuple[str, Path]:
-    """A fresh API key and the root-only file ``directory/rig.key`` that holds it (what
-    ``server.api_key_file`` names)."""
+def new_api_key(directory: Path, name: str = "rig") -> tuple[str, Path]:
+    """A fresh API key and the root-only file ``directory/NAME.key`` that holds it (what
+    ``server.api_key_file``, a gateway's user or its ``rig_key_file`` names)."""
     key = secrets.token_hex(24)
-    key_file = directory / "rig.key"
+    key_file = directory / f"{name}.key"
     key_file.write_text(key + "\n")
     key_file.chmod(0o600)
     return key, key_file

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import ssl
 import subprocess
 import threading
@@ -124,7 +123,10 @@ def inventory(
 @pytest.fixture(scope="module")
 def team(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gateway")
-    keys = {name: _key(directory, name) for name in (RIG_A, RIG_B, "gateway", *USERS)}
+    keys = {
+        name: sandboxes.new_api_key(directory, name)[1]
+        for name in (RIG_A, RIG_B, "gateway", *USERS)
+    }
     booted = {}
     try:
         for name, release in ((RIG_A, "trixie"), (RIG_B, "trixie"), (GATEWAY, "bookworm")):
@@ -137,13 +139,6 @@ def team(tmp_path_factory):
     finally:
         for sandbox in booted.values():
             next(sandbox, None)  # takes the sandbox down
-
-
-def _key(directory: Path, name: str) -> Path:
-    key_file = directory / f"{name}.key"
-    key_file.write_text(secrets.token_hex(32) + "\n")
-    key_file.chmod(0o600)
-    return key_file
 
 
 def key_of(team, user: str) -> str:
@@ -574,7 +569,7 @@ def test_one_rig_behind_the_gateway_holds_new_requests_while_it_restarts(team):
     are served, the longest first token within drain + restart + 10 s; with a hold bound
     shorter than the restart, the waiting requests get the clear 503 and nothing else fails."""
     keys = team["keys"]
-    keys["carol"] = _key(team["dir"], "carol")
+    keys["carol"] = sandboxes.new_api_key(team["dir"], "carol")[1]
     alone = dict(fronted=(RIG_A,), users=(*USERS, "carol"), ctx=3072)
     records, output = rolled_out_under_load(
         team, inventory(team["dir"] / "alone.yml", team["infos"], keys, **alone), 4

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import shlex
 import threading
 import time
@@ -26,6 +25,7 @@ import pytest
 import yaml
 
 from llamarig import CACHE_DIR
+from llamarig.facts.gateway import runtime_api, stat_rows
 from tests import sandboxes
 from tests.conftest import PROJECT
 from tests.gateway_clients import Endpoint, Streaming, whole
@@ -93,17 +93,13 @@ def inventory(path: Path, infos: dict, keys: dict, ctx: int) -> Path:
     return path
 
 
-def _key(directory: Path, name: str) -> Path:
-    key_file = directory / f"{name}.key"
-    key_file.write_text(secrets.token_hex(32) + "\n")
-    key_file.chmod(0o600)
-    return key_file
-
-
 @pytest.fixture(scope="module")
 def team(tmp_path_factory):
     directory = tmp_path_factory.mktemp("gateway-slow")
-    keys = {name: _key(directory, name) for name in (RIG_1, RIG_2, "gateway", "alice")}
+    keys = {
+        name: sandboxes.new_api_key(directory, name)[1]
+        for name in (RIG_1, RIG_2, "gateway", "alice")
+    }
     booted = {}
     try:
         for name, release in ((RIG_1, "trixie"), (RIG_2, "trixie"), (GATEWAY, "bookworm")):
@@ -125,14 +121,10 @@ def ctx_running(info) -> str:
 
 def server_stat(team, rig: str) -> tuple[str, int]:
     """The gateway's view of ``rig``: its status (UP, MAINT, ...) and how many requests it
-    has sent it so far (`show stat`'s status and stot)."""
-    row = in_sandbox(
-        team["infos"][GATEWAY],
-        "echo 'show stat' | socat -t 5 stdio UNIX-CONNECT:/run/haproxy/admin.sock "
-        f"| grep '^model_0,{rig},' | cut -d, -f8,18",
-    )
-    sent, status = row.split(",")
-    return status, int(sent)
+    has sent it so far (`show stat`'s status and stot), read as the product reads it."""
+    lines = in_sandbox(team["infos"][GATEWAY], runtime_api("show stat")).splitlines()
+    (row,) = [r for r in stat_rows(lines) if (r["pxname"], r["svname"]) == ("model_0", rig)]
+    return row["status"], int(row["stot"])
 
 
 class WhileOut:
