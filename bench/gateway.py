@@ -443,8 +443,11 @@ class BenchClient(Client):
         return connection, {"connect_s": seconds, "new_connection": True}
 
     def _release(self, connection: http.client.HTTPConnection, finished: bool) -> None:
-        # http.client drops the socket of a response that closes its connection
-        if self.keep_alive and finished and connection.sock is not None:
+        # http.client drops the socket of a response that closes its connection; a server
+        # that closes after each answer without saying so may not have closed it yet, and a
+        # reuse would race its close (RemoteDisconnected, seen 1 run in 3 on a busy machine).
+        reuse = self.keep_alive and not self.server_closes
+        if reuse and finished and connection.sock is not None:
             with self.lock:
                 self.idle.append(connection)
         else:
