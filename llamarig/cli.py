@@ -18,6 +18,8 @@ from pyinfra.facts.server import Arch, LinuxDistribution
 
 from llamarig.checks.runner import verify_host
 from llamarig.config import ConfigError, HostConfig, inventory_path, load_inventory
+from llamarig.config.builders import SERVES_NO_MODEL
+from llamarig.config.hosts import Inventory
 from llamarig.config.lock import lock_path, record_header, resolved
 from llamarig.config.problems import Problem, located
 from llamarig.config.shapes import host_name_problem
@@ -68,11 +70,12 @@ PROVISIONAL_STATUS = 3
 
 def _planned(args: argparse.Namespace) -> dict[str, tuple[HostPlan, Gathered] | None]:
     """Each chosen host's plan (a Hugging Face reference resolved) and what it read; None for
-    a gateway alone, which has no model to plan. Refused when a reference cannot be resolved.
-    The host is contacted only with --probe; a local host's model file is read in place."""
+    a gateway alone or a builder, which have no model to plan. Refused when a reference cannot
+    be resolved. The host is contacted only with --probe; a local host's model file is read in
+    place."""
     found = {}
     for name, host_config in _chosen_hosts(args).items():
-        if host_config.data["role"] == "gateway":
+        if host_config.data["role"] in SERVES_NO_MODEL:
             found[name] = None
             continue
         try:
@@ -92,9 +95,12 @@ def _plan(args: argparse.Namespace) -> int:
     for name, found in planned.items():  # what the host told that the plan set aside
         for warning in found[1].warnings if found else []:
             print(f"{name}: {printable(warning)}", file=sys.stderr)
-    views = gateway.plan_views(load_inventory(), plans, list(planned))
-    keys = _build_keys(args, plans)
-    sources = fleet.sources({name: key for name, key in keys.items() if key})
+    inventory = load_inventory()
+    views = gateway.plan_views(inventory, plans, list(planned))
+    keys, builders = _build_keys(args, plans, inventory)
+    known_keys = {name: key for name, key in keys.items() if key}
+    rig_data = {name: plans[name].resolved for name in known_keys}
+    sources = fleet.sources(known_keys, rig_data, list(builders.values()))
     if args.json:
         documents = {name: gateway.plan_document(*view) for name, view in views.items()}
         for name, key in keys.items():
@@ -103,9 +109,16 @@ def _plan(args: argparse.Namespace) -> int:
                 **({"key": key.key, "platform": key.platform, "shared": key.shared,
                     "shipped_from": sources.get(name) or None} if key else {}),
             }  # fmt: skip
+        for name in set(builders) & set(documents):
+            made = fleet.builds_of(name, known_keys, sources)
+            documents[name] = {"role": "builder", "fits": True, "builds": made}
         print(json.dumps({"hosts": documents}, indent=2))
     else:
         for name, view in views.items():
+            if view[0]["role"] == "builder":
+                made = fleet.builds_of(name, known_keys, sources) if name in builders else None
+                print("\n".join(fleet.builder_lines(name, made)))
+                continue
             lines = gateway.plan_lines(name, *view, unit=args.unit)
             if name in keys:
                 build_id = render.build_id(plans[name].resolved)
@@ -118,9 +131,12 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_keys(args: argparse.Namespace, plans: dict[str, HostPlan]) -> dict:
+def _build_keys(
+    args: argparse.Namespace, plans: dict[str, HostPlan], inventory: Inventory
+) -> tuple[dict, dict]:
     """Each rig's build key (planner/fleet.py), read from the host with --probe (or a local
-    one); None where the host is not contacted."""
+    one), None where the host is not contacted; and every builder of the inventory read so
+    (whichever hosts --host chose: a builder decides where a rig's build comes from)."""
     keys = {}
     for name, plan in plans.items():
         data = plan.resolved
@@ -131,7 +147,15 @@ def _build_keys(args: argparse.Namespace, plans: dict[str, HostPlan]) -> dict:
         keys[name] = fleet.build_key(
             data, read(LinuxDistribution), read(Arch), read(CpuFlags), name
         )
-    return keys
+    builders = {}
+    for name, host_config in inventory.hosts.items():
+        data = host_config.data
+        if data["role"] == "builder" and (args.probe or data["ssh"].get("local")):
+            read = shell_reader(data)
+            builders[name] = fleet.builder(
+                name, data, read(LinuxDistribution), read(Arch), read(CpuFlags)
+            )
+    return keys, builders
 
 
 def _lock(args: argparse.Namespace) -> int:
@@ -252,8 +276,10 @@ def _run(args: argparse.Namespace) -> int:
             f"({', '.join(inventory.hosts)})"
         )
     data = inventory.hosts[names[0]].data
-    if data["role"] == "gateway":
-        raise _Refusal(f"llamarig: {names[0]} is a gateway: no llama-server to start; run a rig")
+    if data["role"] in SERVES_NO_MODEL:
+        raise _Refusal(
+            f"llamarig: {names[0]} is a {data['role']}: no llama-server to start; run a rig"
+        )
     launcher = [render.layout(data)["launcher"], *args.server_args]
     if data["server"]["supervisor"] == "systemd":
         print(

@@ -156,8 +156,8 @@ def queue_enrollment() -> None:
 def deploy() -> list[OperationMeta]:
     """Returns the driver's installation (none when the driver is kept): a change to it needs a
     reboot to load the new modules."""
-    if stage.gateway_only():
-        host.noop("gateway: no NVIDIA driver here")
+    if stage.serves_no_model():
+        host.noop(f"{stage.rig()['role']}: no NVIDIA driver here")
         return []
     rig = stage.rig()
     driver = rig["driver"]

@@ -21,27 +21,23 @@ def deploy() -> OperationMeta:
     if stage.gateway_only():
         host.noop("gateway: no llama.cpp build here")
         return None
-    # The plan's data: CUDA architectures from the probed GPUs when none are declared.
-    rig = stage.plan().resolved
-    paths = render.layout(rig)
-
-    share = builds.share(rig)
-    build = _build(rig, paths) if share.how == "build" else None
-    if share.source_rig:
-        operations.pack_build(
-            name=f"Keep build {share.key.key} for the other rigs of its key",
-            build_dir=paths["build"],
-            key=share.key.key,
-            build_id=share.key.build_id,
-            platform=share.key.platform,
-            cuda_architectures=fleet.cuda_architectures(rig),
-            needed=share.needed,
-        )
+    if stage.builder_only():  # it builds for the rigs of this run, runs none
+        rig, paths, shares = None, None, builds.builder_shares(stage.rig())
+        if not shares:
+            host.noop("builder: no rig of this run has a build key it makes")
+    else:
+        # The plan's data: CUDA architectures from the probed GPUs when none are declared.
+        rig = stage.plan().resolved
+        paths = render.layout(rig)
+        shares = [builds.share(rig)]
+    done: set = set()  # a builder's builds share their dependencies and source tree
+    made = [_make(share, done) for share in shares]
     # pyinfra runs each host's operations in order, not the hosts' in step: the builds and
     # their packing must be done before any rig of their key is sent its build.
     operations.barrier(name="Every build of this run made and kept before any is shipped")
-    if build is None:
-        build = _receive(rig, paths, share)
+    if rig is None:
+        return None
+    build = made[0] or _receive(rig, paths, shares[0])
     # A command line the binary does not know must stop the run before the link and unit change.
     # The file that carries the command line: the unit, or the launcher where no systemd runs it.
     command_file, command_text = (
@@ -70,9 +66,61 @@ def deploy() -> OperationMeta:
     )
 
 
-def _build(rig: dict, paths: dict) -> OperationMeta:
-    """Compile the build here: its dependencies, the source at the pinned commit, CMake."""
+def _make(share: builds.Share, done: set) -> OperationMeta | None:
+    """The build of ``share`` compiled here (None when it is to be shipped here, or, on a
+    builder, when the control machine's cache holds it), and kept for the other rigs of its key
+    when one needs it. ``done``: what earlier builds of this host's run installed or checked out."""
+    if share.how != "build":
+        if stage.builder_only():
+            host.noop(f"build {share.key.key}: the control machine's cache holds it")
+        return None
+    paths = render.layout(share.data)
+    build = _build(share.data, paths, done)
+    if share.source_rig:
+        operations.pack_build(
+            name=f"Keep build {share.key.key} for the other rigs of its key",
+            build_dir=paths["build"],
+            key=share.key.key,
+            build_id=share.key.build_id,
+            platform=share.key.platform,
+            cuda_architectures=fleet.cuda_architectures(share.data),
+            needed=share.needed,
+        )
+    return build
+
+
+def _build(rig: dict, paths: dict, done: set) -> OperationMeta:
+    """Compile the build here: its dependencies, the source at the pinned commit, CMake (the
+    dependencies and checkout only once per host's run: ``done``)."""
     llama_cpp = rig["llama_cpp"]
+    if "dependencies" not in done:
+        _dependencies(llama_cpp)
+    done.add("dependencies")
+    checkout = (paths["source"], llama_cpp["commit"])
+    if checkout not in done:
+        operations.git_commit(
+            name=f"llama.cpp at {llama_cpp['commit'][:12]}",
+            repo=llama_cpp["repo"],
+            path=paths["source"],
+            commit=llama_cpp["commit"],
+        )
+        done.add(checkout)
+    build = operations.cmake_build(
+        name=f"Build {', '.join(llama_cpp['targets'])} ({render.build_id(rig)})",
+        source=paths["source"],
+        build_dir=paths["build"],
+        configure=render.cmake_configure_command(rig),
+        build=render.cmake_build_command(rig),
+        manifest=render.build_manifest(rig),
+        marker=paths["build_marker"],
+        ccache_dir=rig["paths"]["ccache"] if llama_cpp["ccache"] else None,
+        ccache_basedir=rig["paths"]["prefix"],
+    )
+    return build
+
+
+def _dependencies(llama_cpp: dict) -> None:
+    """The compilers and tools of a build: from apt, or checked on the PATH."""
     if llama_cpp["build_dependencies"] == "apt":
         operations.apt_packages(
             name="Build dependencies of llama.cpp",
@@ -91,24 +139,6 @@ def _build(rig: dict, paths: dict) -> OperationMeta:
                 ]
             )
         host.noop(f"build tools present: {', '.join(tools)}")
-    operations.git_commit(
-        name=f"llama.cpp at {llama_cpp['commit'][:12]}",
-        repo=llama_cpp["repo"],
-        path=paths["source"],
-        commit=llama_cpp["commit"],
-    )
-    build = operations.cmake_build(
-        name=f"Build {', '.join(llama_cpp['targets'])} ({render.build_id(rig)})",
-        source=paths["source"],
-        build_dir=paths["build"],
-        configure=render.cmake_configure_command(rig),
-        build=render.cmake_build_command(rig),
-        manifest=render.build_manifest(rig),
-        marker=paths["build_marker"],
-        ccache_dir=rig["paths"]["ccache"] if llama_cpp["ccache"] else None,
-        ccache_basedir=rig["paths"]["prefix"],
-    )
-    return build
 
 
 def _receive(rig: dict, paths: dict, share: builds.Share) -> OperationMeta:

@@ -25,8 +25,8 @@ TOKEN_HEADER_FILE = hostpaths.HUB_TOKEN_HEADER_PATH
 def deploy() -> list[OperationMeta]:
     """Returns the downloads (none for a file already on the host or an RPC worker): when one
     changes, the server must restart. A rig of several models fetches each."""
-    if stage.gateway_only():
-        host.noop("gateway: no model here")
+    if stage.serves_no_model():
+        host.noop(f"{stage.rig()['role']}: no model here")
         return []
     rig = stage.rig()
     if rig["role"] == "rpc-worker":

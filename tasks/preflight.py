@@ -19,13 +19,17 @@ def deploy() -> None:
     distribution = known(LinuxDistribution)
     unsupported = os_problems(distribution, known(Arch))
     problems = list(unsupported)
-    if stage.gateway_only():
+    if stage.serves_no_model():
         if unsupported:
             stage.refuse(problems)
         stage.read_gateway_state()
         host.noop(
             f"{distribution['release_meta'].get('PRETTY_NAME')}, kernel {known(KernelVersion)}; "
-            "a gateway alone (role: gateway): HAProxy only"
+            + (
+                "a builder (role: builder): llama.cpp builds for the rigs only"
+                if stage.builder_only()
+                else "a gateway alone (role: gateway): HAProxy only"
+            )
         )
         return
 

@@ -22,9 +22,15 @@ from llamarig.tables.platform import codename, is_debian, nvidia_repo_dir
 def deploy() -> None:
     rig = stage.rig()
     distribution = known(LinuxDistribution)
-    # A gateway alone installs only HAProxy, from the distribution's own components.
+    # A gateway alone installs only HAProxy, from the distribution's own components; a builder
+    # no driver, only the toolkit it builds with.
     gateway_only = stage.gateway_only()
-    sources = [] if gateway_only else [rig["driver"]["source"], rig["cuda"]["source"]]
+    if gateway_only:
+        sources = []
+    elif stage.builder_only():
+        sources = [rig["cuda"]["source"]]
+    else:
+        sources = [rig["driver"]["source"], rig["cuda"]["source"]]
     source_ops = []
     if "nvidia-repo" in sources:
         source_ops += _nvidia_repo(rig, distribution)

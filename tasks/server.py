@@ -34,8 +34,8 @@ from llamarig.serving import answers
 def deploy(restart_on: list[OperationMeta]) -> list[OperationMeta]:
     """``restart_on``: the earlier operations whose change must restart the server (the build's
     link, the model's download). Returns what (re)starts the server, for the verify stage."""
-    if stage.gateway_only():
-        host.noop("gateway: no llama-server here")
+    if stage.serves_no_model():
+        host.noop(f"{stage.rig()['role']}: no llama-server here")
         return []
     # The plan's data: ctx and tensor_split resolved from the GPUs and the model header.
     rig = stage.plan().resolved

@@ -20,7 +20,7 @@ from llamarig.planner import render
 def deploy(serving: list[OperationMeta]) -> None:
     """``serving``: what (re)starts the service in this run; when any of it changed, the
     server or rpc_worker stage's wait has checked the service already."""
-    if stage.gateway_only():  # the gateway stage waits until every model has a rig up
+    if stage.serves_no_model():  # the gateway stage waits until every model has a rig up
         return
     rig = stage.rig()
     restarted = any_changed(*serving)

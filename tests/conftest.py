@@ -44,6 +44,7 @@ SCENARIO_LANES = {
     "test_sandbox_slowdown": "sandbox-slow",
     "test_sandbox_gateway_slowdown": "sandbox-gateway-slow",
     "test_sandbox_fleet_build": "sandbox-fleet-build",
+    "test_sandbox_builder": "sandbox-fleet-build",
     "test_sandbox_tune": "sandbox-tune",
 }
 SANDBOX_MODULE_PREFIX = "test_sandbox_"

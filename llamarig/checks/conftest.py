@@ -32,14 +32,18 @@ def data(rig) -> dict:
 
 # Why a rig's checks skip on a gateway alone (`role: gateway`); test_gateway checks it.
 GATEWAY_ONLY = "a gateway runs no llama-server (role: gateway): test_gateway.py checks it"
+# And on a builder, which builds for the rigs: they check the builds they run.
+BUILDER_ONLY = "a builder runs no llama-server (role: builder): its rigs check the builds they run"
 
 
 @pytest.fixture(scope="session")
 def llama_rig(data) -> dict:
     """A rig of llama.cpp (a server, a head or a worker): not a gateway alone, which has no
-    driver, build, model or llama-server of its own."""
+    driver, build, model or llama-server of its own, nor a builder."""
     if data["role"] == "gateway":
         pytest.skip(GATEWAY_ONLY)
+    if data["role"] == "builder":
+        pytest.skip(BUILDER_ONLY)
     return data
 
 

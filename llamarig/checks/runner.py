@@ -13,6 +13,7 @@ from pathlib import Path
 
 from llamarig import PACKAGE_DIR, PROJECT_DIR
 from llamarig.config import HostConfig, inventory_path
+from llamarig.config.builders import SERVES_NO_MODEL
 from llamarig.config.gateways import runs_gateway
 from llamarig.config.problems import Problem, located
 from llamarig.config.ssh import SshTarget, ssh_alias
@@ -34,14 +35,15 @@ def expectations(
     """What the suite checks the host against: the planned data and values derived from it,
     and the gateway's (``inventory``: the file beside which the deploy copied its certificate,
     default RIG_INVENTORY); ``rehash``: hash the model files even where a checksum record says
-    they are unchanged. A gateway alone (`role: gateway`) has no model and is not planned."""
+    they are unchanged. A gateway alone (`role: gateway`) or a builder has no model and is not
+    planned."""
     data = host_config.data
     checked = (
         gateway_expectations(host_config, inventory or inventory_path())
         if runs_gateway(data)
         else None
     )
-    if data["role"] == "gateway":
+    if data["role"] in SERVES_NO_MODEL:
         return {
             "name": host_config.name,
             "data": data,

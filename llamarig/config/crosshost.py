@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from llamarig.config.addresses import is_loopback
+from llamarig.config.builders import SERVES_NO_MODEL
 from llamarig.config.derived import DERIVED_RPC_KEYS, worker_gpus
 from llamarig.config.hosts import HostConfig
 from llamarig.config.problems import Problem, did_you_mean, located
@@ -203,8 +204,8 @@ def shared_machine_problems(host_configs: list[HostConfig]) -> list[str]:
             (("paths", "env_file"), "paths.env_file"),
         ):
             owners: dict[Any, HostConfig] = {}
-            # A gateway alone runs no llama-server: its server settings are unused.
-            for host_config in (m for m in members if m.data["role"] != "gateway"):
+            # A gateway alone or a builder runs no llama-server: its server settings are unused.
+            for host_config in (m for m in members if m.data["role"] not in SERVES_NO_MODEL):
                 value = host_config.data[key_path[0]][key_path[1]]
                 if value in owners:
                     problems.append(

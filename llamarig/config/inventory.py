@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from llamarig import PROJECT_DIR
+from llamarig.config.builders import builder_problems
 from llamarig.config.crosshost import (
     rpc_inventory_problems,
     rpc_topology_problems,
@@ -206,6 +207,7 @@ def load_inventory(path: Path | None = None) -> Inventory:
         problems.extend(rpc_inventory_problems(hosts))
         problems.extend(rpc_topology_problems(hosts))
         problems.extend(gateway_problems(hosts, members))
+        problems.extend(builder_problems(hosts, members))
     if problems:
         raise ConfigError(problems)
     derive_rpc(hosts)

@@ -11,6 +11,7 @@ import re
 from typing import Any
 
 from llamarig.config.addresses import WILDCARD_HOSTS
+from llamarig.config.builders import settings_problems as builder_settings_problems
 from llamarig.config.contradictions import contradiction_problems
 from llamarig.config.expect import answer_problems
 from llamarig.config.model_rules import model_problems
@@ -39,6 +40,12 @@ def semantic_problems(data: dict) -> list[Problem]:
     ssh = data.get("ssh") or {}
     if data["role"] == "gateway":  # no model, build or server of its own: only the gateway's
         return [*_ssh_problems(ssh), *(Problem(*problem) for problem in shape_problems(data))]
+    if data["role"] == "builder":  # builds for the rigs: no model, server or GPU of its own
+        return [
+            *_ssh_problems(ssh),
+            *builder_settings_problems(data),
+            *(Problem(*problem) for problem in shape_problems(data)),
+        ]
     return [
         *_ssh_problems(ssh),
         *port_problems(server, ssh),

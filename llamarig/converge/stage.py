@@ -19,6 +19,7 @@ from pyinfra.facts.server import Arch, KernelVersion, LinuxDistribution
 
 from llamarig import operations
 from llamarig.config import ConfigError, rig_data
+from llamarig.config.builders import SERVES_NO_MODEL
 from llamarig.config.gateways import runs_gateway
 from llamarig.config.lock import LockError, lock_path, resolved
 from llamarig.converge import boot
@@ -58,7 +59,7 @@ def rig() -> dict:
         except ConfigError as error:
             refuse(error.problems)
         try:
-            unresolved = data["role"] in ("rpc-worker", "gateway")  # no model to resolve
+            unresolved = data["role"] in ("rpc-worker", *SERVES_NO_MODEL)  # no model to resolve
             _rigs[host.name] = data if unresolved else resolved(data)
         except HubError as error:
             refuse([f"{'.'.join(error.key_path)}: {error.message}"])
@@ -69,6 +70,17 @@ def gateway_only() -> bool:
     """True for a host that serves no model, only the team endpoint (`role: gateway`): the
     stages of a rig (driver, build, model, server) leave it alone."""
     return rig()["role"] == "gateway"
+
+
+def builder_only() -> bool:
+    """True for a host of the `builders` group (`role: builder`): it builds llama.cpp for the
+    rigs of the run and serves nothing; the stages of a rig but the build leave it alone."""
+    return rig()["role"] == "builder"
+
+
+def serves_no_model() -> bool:
+    """True for a gateway alone or a builder: no driver, model, server or verify here."""
+    return rig()["role"] in SERVES_NO_MODEL
 
 
 def plan() -> HostPlan:

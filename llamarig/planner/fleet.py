@@ -9,6 +9,13 @@ GGML_NATIVE (`-march=native`, llama.cpp's default for CPU builds) the CPU's feat
 a binary may use any instruction the builder's CPU has. A compiler or toolkit that
 llamarig did not install (`build_dependencies: preinstalled`, `cuda.source: preinstalled`) is
 the host's own: such a rig builds for itself, as does one with `llama_cpp.share_builds: false`.
+
+Who builds a key: a host of the `builders` group (`role: builder`: it serves nothing) that can
+make it, the first of them in the inventory's order, else the first rig of the key. A builder
+makes a key when the key it computes for that rig's build on itself is the rig's own (same
+distribution release, architecture and, for a `-march=native` build, CPU flags) and, for a
+CUDA build, its own CUDA toolkit is the rig's (`llama_cpp.backend: cuda`, the same `cuda`
+source and version): it installs no toolkit but its own.
 """
 
 from __future__ import annotations
@@ -67,6 +74,37 @@ def build_key(
     return BuildKey(f"{build_id}-{digest}", build_id, platform, not alone, alone)
 
 
+@dataclass(frozen=True)
+class Builder:
+    """A host of the `builders` group as the keys it can make depend on it: its LinuxDistribution
+    fact, architecture, CPU flags, and its CUDA toolkit (source, version; None without one)."""
+
+    name: str
+    distribution: dict
+    arch: str
+    cpu_flags: list[str]
+    cuda: tuple[str, str] | None
+
+
+def builder(name: str, data: dict, distribution: dict, arch: str, cpu_flags: list[str]) -> Builder:
+    """The Builder of host ``name`` (its validated data, its facts)."""
+    cuda = data["cuda"]
+    toolkit = (cuda["source"], cuda["version"]) if data["llama_cpp"]["backend"] == "cuda" else None
+    return Builder(name, distribution, arch, list(cpu_flags), toolkit)
+
+
+def makes(maker: Builder, data: dict, key: BuildKey) -> bool:
+    """Whether builder ``maker`` can make the build of key ``key`` (a rig's, planned from
+    ``data``): the same key on the builder, with the rig's CUDA toolkit for a CUDA build."""
+    if not key.shared:
+        return False
+    if data["llama_cpp"]["backend"] == "cuda":
+        if maker.cuda != (data["cuda"]["source"], data["cuda"]["version"]):
+            return False
+    made = build_key(data, maker.distribution, maker.arch, maker.cpu_flags, maker.name)
+    return made.key == key.key
+
+
 def cuda_architectures(data: dict) -> str:
     """The CUDA architectures a build's options name ("" for a CPU build): what its binary
     carries, as the build records it."""
@@ -79,15 +117,33 @@ def builds_native(data: dict) -> bool:
     return render.cmake_options(data).get("GGML_NATIVE", "ON") != "OFF"
 
 
-def sources(keys: dict[str, BuildKey]) -> dict[str, str]:
-    """Where each rig's build comes from, the rigs in the inventory's order (the deploy's
-    rule, converge/builds.py): "" for the first rig of a key (it builds), else that rig."""
+def sources(
+    keys: dict[str, BuildKey],
+    rigs: dict[str, dict] | None = None,
+    builders: list[Builder] = (),
+) -> dict[str, str]:
+    """Where each rig's build comes from, the rigs (``keys``, their planned data ``rigs``) and
+    ``builders`` in the inventory's order (the deploy's rule, converge/builds.py): the first
+    builder that makes its key, else the first rig of the key; "" for a rig that builds."""
     first: dict[str, str] = {}
     found = {}
     for name, key in keys.items():
-        source = first.setdefault(key.key, name) if key.shared else name
+        if key.shared and key.key not in first:
+            makers = (m.name for m in builders if rigs and makes(m, rigs[name], key))
+            first[key.key] = next(makers, name)
+        source = first[key.key] if key.shared else name
         found[name] = "" if source == name else source
     return found
+
+
+def builds_of(builder_name: str, keys: dict[str, BuildKey], found: dict[str, str]) -> dict:
+    """The keys builder ``builder_name`` makes, by ``sources``' answer ``found``: each key's
+    first rig (whose planned data it builds with) and every rig of it."""
+    made: dict[str, list[str]] = {}
+    for name, source in found.items():
+        if source == builder_name:
+            made.setdefault(keys[name].key, []).append(name)
+    return made
 
 
 def build_line(key: BuildKey | None, build_id: str, source: str) -> str:
@@ -99,3 +155,19 @@ def build_line(key: BuildKey | None, build_id: str, source: str) -> str:
     if source:
         return f"  build {key.key} ({key.platform}): shipped from {source}, no compiler here"
     return f"  build {key.key} ({key.platform}): built here (or from the control machine's cache)"
+
+
+def builder_lines(name: str, made: dict[str, list[str]] | None) -> list[str]:
+    """A builder as `llamarig plan` shows it: the keys it makes and their rigs (``made``;
+    None when its facts were not read)."""
+    lines = [f"== {name}: builder (serves no model)"]
+    if made is None:
+        lines.append("  builds: what it makes is read with --probe")
+    elif not made:
+        lines.append(
+            "  builds nothing: no rig has a build key it makes (distribution, "
+            "architecture, CPU for a native build, CUDA toolkit)"
+        )
+    for key, rigs in made.items() if made else ():
+        lines.append(f"  builds {key} for {', '.join(rigs)}")
+    return lines

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from llamarig import PROJECT_DIR
 from llamarig.config import Inventory
+from llamarig.config.builders import SERVES_NO_MODEL
 from llamarig.config.gateways import GATEWAYS_GROUP
 from llamarig.planner.gather import run_on_host
 from llamarig.planner.render import layout
@@ -142,4 +143,6 @@ def rollout(inventory: Inventory, extra: list[str]) -> int:
 
 
 def _rigs(inventory: Inventory) -> set[str]:
-    return {name for name, host in inventory.hosts.items() if host.data["role"] != "gateway"}
+    return {
+        name for name, host in inventory.hosts.items() if host.data["role"] not in SERVES_NO_MODEL
+    }

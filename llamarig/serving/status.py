@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from llamarig.config import HostConfig
+from llamarig.config.builders import SERVES_NO_MODEL
 from llamarig.config.gateways import runs_gateway
 from llamarig.config.ssh import SshTarget
 from llamarig.model.catalog import is_router, model_alias, model_views
@@ -95,10 +96,11 @@ def section(name: str) -> str:
 
 def probe_command(data: dict, window: float) -> str:
     """The shell command that prints every section `parse` reads, the window slept on the host
-    between the two reads of the tokens counter; a gateway alone's has no server's sections."""
-    if data["role"] == "gateway":
+    between the two reads of the tokens counter; a gateway alone's or a builder's has no
+    server's sections."""
+    if data["role"] in SERVES_NO_MODEL:
         lines = [section("uptime"), "cut -d' ' -f1 /proc/uptime"]
-        lines += gateway_status.probe_lines(section)
+        lines += gateway_status.probe_lines(section) if data["role"] == "gateway" else []
         lines += [section("deploy"), f"cat -- {shlex.quote(deploy_record.RECORD_PATH)} 2>/dev/null"]
         return _steps(lines)
     worker = data["role"] == "rpc-worker"
@@ -221,8 +223,8 @@ def parse(name: str, data: dict, output: str) -> HostStatus:
     """A host's row from `probe_command`'s output."""
     found = sections(output)
     gateway = gateway_status.parse(data, found) if runs_gateway(data) else None
-    if data["role"] == "gateway":
-        row = HostStatus(host=name, role="gateway", gateway=gateway)
+    if data["role"] in SERVES_NO_MODEL:
+        row = HostStatus(host=name, role=data["role"], gateway=gateway)
         row.last_deploy = deploy_record.parse("\n".join(found.get("deploy", [])))
         return row
     worker = data["role"] == "rpc-worker"
@@ -399,7 +401,11 @@ def report(row: HostStatus) -> str:
     most of it is what the box printed."""
     if row.error:
         return printable(f"{row.host}: {row.error}")
-    lines = [f"{row.host}: gateway (no llama-server)"] if row.role == "gateway" else _rig_lines(row)
+    lines = (
+        [f"{row.host}: {row.role} (no llama-server)"]
+        if row.role in SERVES_NO_MODEL
+        else _rig_lines(row)
+    )
     if row.gateway is not None:
         lines += gateway_status.report_lines(row.gateway)
     deploy = row.last_deploy
@@ -470,6 +476,8 @@ def healthy(row: HostStatus) -> bool:
         return False
     if row.role == "gateway":
         return row.gateway is not None
+    if row.role == "builder":  # it answered; it serves nothing
+        return True
     if row.active.startswith("no unit"):
         return row.slots_total is not None
     return row.active.startswith("active/")

@@ -358,6 +358,8 @@ def tune_host(
         raise TuneError(
             f"{name} is a gateway: it serves no model; tune the rigs it fronts ({', '.join(rigs)})"
         )
+    if host_config.data["role"] == "builder":
+        raise TuneError(f"{name} is a builder: it serves no model; tune the rigs it builds for")
     if is_router(host_config.data):
         raise TuneError(
             f"{name} serves several models (`models:`): tune measures one model's server; "
