@@ -136,6 +136,15 @@ def team(builder: dict | None = None, groups: str = "builders") -> dict:
     }
 
 
+def in_gateways(document: dict) -> dict:
+    """``document`` with its builder also in the `gateways` group, fronting the rigs."""
+    children = document["all"]["children"]
+    builder = children["builders"]["hosts"]["bd"]
+    builder["gateway"] = {"host": "0.0.0.0", "fronts": "rigs"}
+    children["gateways"] = {"hosts": {"bd": {}}}
+    return document
+
+
 def problems_of(tmp_path, document: dict) -> list[str]:
     path = tmp_path / "team.yml"
     path.write_text(yaml.safe_dump(document))
@@ -182,8 +191,17 @@ def test_a_builder_needs_no_model_server_or_gpu(tmp_path):
             "set cuda.source: nvidia-repo or distro",
         ),
         (team({"role": "buidler"}), "bd.role", "builder"),
+        (in_gateways(team()), "bd.role", "is builder, which serves no API"),
     ],
-    ids=["outside-group", "rig-in-group", "preinstalled", "share-false", "cuda-own", "typo"],
+    ids=[
+        "outside-group",
+        "rig-in-group",
+        "preinstalled",
+        "share-false",
+        "cuda-own",
+        "typo",
+        "builder-in-gateways",
+    ],
 )
 def test_a_careless_builder_is_refused_naming_the_file_key_and_fix(tmp_path, document, key, fix):
     found = problems_of(tmp_path, document)

@@ -93,11 +93,11 @@ def _settings_problems(data: dict) -> list[Problem]:
     """One gateway's own settings: its address, its keys and its certificate files."""
     gateway = data["gateway"]
     problems: list[Problem] = []
-    if data["role"] == "rpc-worker":
+    if data["role"] in ("rpc-worker", "builder"):
         problems.append(
             Problem(
                 ("role",),
-                "is rpc-worker, which serves no API; a gateway is a standalone "
+                f"is {data['role']}, which serves no API; a gateway is a standalone "
                 "rig, an rpc-head or `role: gateway` (a box of its own)",
             )
         )
