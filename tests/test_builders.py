@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from llamarig.config import ConfigError, load_inventory
-from llamarig.planner import fleet
+from llamarig.planner import fleet, render
 from llamarig.serving import status
 from tests.conftest import PROJECT, pyinfra_env
 
@@ -228,3 +228,72 @@ def test_plan_without_probe_shows_the_builder(tmp_path):
     assert "== bd: builder (serves no model)" in shown.stdout, shown.stdout + shown.stderr
     assert "what it makes is read with --probe" in shown.stdout
     assert shown.returncode == 0, shown.stderr
+
+
+# --- cuda_architectures: fleet ---------------------------------------------------------------
+
+RTX_3090 = {"name": "NVIDIA GeForce RTX 3090", "vram_mib": 24576, "compute_capability": "8.6"}
+RTX_5080 = {"name": "NVIDIA GeForce RTX 5080", "vram_mib": 16303, "compute_capability": "12.0"}
+H100 = {"name": "NVIDIA H100 80GB HBM3", "vram_mib": 81559, "compute_capability": "9.0"}
+
+
+def gpu_rig(address: str, gpus: list[dict], architectures: str) -> dict:
+    return {
+        "ssh": {"host": address},
+        "driver": {"source": "nvidia-repo", "branch": 580, "open": True},
+        "cuda": {"source": "nvidia-repo", "version": "13.0"},
+        "gpus": gpus,
+        "llama_cpp": {"cuda_architectures": architectures},
+        "model": {"url": "https://x.org/m.gguf", "sha256": SHA},
+    }
+
+
+def gpu_team(tmp_path, **rigs) -> dict:
+    path = tmp_path / "gpus.yml"
+    path.write_text(yaml.safe_dump({"all": {"children": {"rigs": {"hosts": rigs}}}}))
+    return load_inventory(path).hosts
+
+
+def test_fleet_gives_rigs_of_different_gpus_one_list_and_one_build(tmp_path):
+    hosts = gpu_team(
+        tmp_path,
+        ampere=gpu_rig("192.0.2.1", [RTX_3090], "fleet"),
+        blackwell=gpu_rig("192.0.2.2", [RTX_5080], "fleet"),
+        hopper=gpu_rig("192.0.2.3", [H100], "auto"),  # its own list, its own build
+    )
+    lists = {name: host.data["llama_cpp"]["cuda_architectures"] for name, host in hosts.items()}
+    assert lists == {"ampere": "86-real;120a-real", "blackwell": "86-real;120a-real",
+                     "hopper": "auto"}  # fmt: skip
+    assert fleet.cuda_architectures(hosts["hopper"].data) == "90-real"
+    keys = {
+        name: fleet.build_key(host.data, TRIXIE, "x86_64", FLAGS, name)
+        for name, host in hosts.items()
+    }
+    assert keys["ampere"] == keys["blackwell"] != keys["hopper"]
+    assert fleet.cuda_architectures(hosts["blackwell"].data) == "86-real;120a-real"
+    sources = fleet.sources(keys, {name: host.data for name, host in hosts.items()})
+    assert sources == {"ampere": "", "blackwell": "ampere", "hopper": ""}
+    # Each rig alone with `auto`: two lists, two keys, two compiles.
+    alone = gpu_team(
+        tmp_path,
+        ampere=gpu_rig("192.0.2.1", [RTX_3090], "auto"),
+        blackwell=gpu_rig("192.0.2.2", [RTX_5080], "auto"),
+    )
+    auto_keys = [fleet.build_key(h.data, TRIXIE, "x86_64", FLAGS, n) for n, h in alone.items()]
+    assert auto_keys[0].key != auto_keys[1].key
+
+
+def test_fleet_without_declared_gpus_is_refused_naming_the_key(tmp_path):
+    document = {"rigs": {"hosts": {"r": gpu_rig("192.0.2.1", [], "fleet")}}}
+    found = problems_of(tmp_path, {"all": {"children": document}})
+    assert any(
+        "team.yml" in p and "hosts.r.llama_cpp.cuda_architectures" in p and "`fleet` needs" in p
+        for p in found
+    ), found
+
+
+def test_fleet_outside_the_inventory_is_the_rigs_own_gpus():
+    data = cuda_rig()
+    data["llama_cpp"]["cuda_architectures"] = "fleet"
+    data["gpus"] = [RTX_5080]
+    assert render.cuda_arch_list(data) == "120a-real"

@@ -138,7 +138,8 @@ def _gpu_table_problems(gpus: list[dict]) -> list[Problem]:
 def _cuda_architecture_problems(data: dict) -> list[Problem]:
     """An explicit architecture list must hold code that runs on every declared GPU."""
     listed = data["llama_cpp"]["cuda_architectures"]
-    if listed == "auto" or data["llama_cpp"]["backend"] != "cuda":
+    # `fleet` becomes a list with code for every declared GPU (derived.py).
+    if listed in ("auto", "fleet") or data["llama_cpp"]["backend"] != "cuda":
         return []
     archs = listed.split(";")
     problems: list[Problem] = []

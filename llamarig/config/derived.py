@@ -1,11 +1,16 @@
 """Settings llamarig derives from others, so that nothing is typed twice: an RPC head's
-endpoints and worker GPUs from the worker hosts it names (the model's file name and files are
+endpoints and worker GPUs from the worker hosts it names, and the CUDA architecture list of
+every rig with `cuda_architectures: fleet` (the model's file name and files are
 llamarig.model.files')."""
 
 from __future__ import annotations
 
 from llamarig.config.addresses import local_url
 from llamarig.config.hosts import HostConfig
+from llamarig.tables.hardware import cuda_architectures
+
+# `llama_cpp.cuda_architectures: fleet`: one list for the GPUs of every rig that says so.
+FLEET_ARCHITECTURES = "fleet"
 
 # Keys of `rpc` that only derive_rpc writes, each with what to do instead.
 _FROM_WORKERS = (
@@ -65,3 +70,21 @@ def derive_rpc(hosts: dict[str, HostConfig]) -> None:
                 "http_timeouts": dict(server["http_timeouts"]),
                 "start_timeout": server["start_timeout"],
             }
+
+
+def derive_fleet_architectures(hosts: dict[str, HostConfig]) -> None:
+    """Resolve `llama_cpp.cuda_architectures: fleet` into one CMAKE_CUDA_ARCHITECTURES list,
+    the same on every CUDA rig that sets it: real code for each GPU that any of them declares,
+    so they have one build key (planner/fleet.py) and share one build; run after the checks
+    passed (each such rig declares its `gpus`)."""
+    rigs = [
+        host_config
+        for host_config in hosts.values()
+        if host_config.data["llama_cpp"]["backend"] == "cuda"
+        and host_config.data["llama_cpp"]["cuda_architectures"] == FLEET_ARCHITECTURES
+    ]
+    listed = cuda_architectures(
+        gpu["compute_capability"] for host_config in rigs for gpu in host_config.data["gpus"]
+    )
+    for host_config in rigs:
+        host_config.data["llama_cpp"]["cuda_architectures"] = listed

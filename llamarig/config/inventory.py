@@ -16,7 +16,7 @@ from llamarig.config.crosshost import (
     rpc_topology_problems,
     shared_machine_problems,
 )
-from llamarig.config.derived import derive_rpc
+from llamarig.config.derived import derive_fleet_architectures, derive_rpc
 from llamarig.config.gateways import derive_gateways, gateway_problems
 from llamarig.config.hosts import HostConfig, Inventory
 from llamarig.config.loader import defaults, load_yaml, shape_problem
@@ -211,6 +211,7 @@ def load_inventory(path: Path | None = None) -> Inventory:
     if problems:
         raise ConfigError(problems)
     derive_rpc(hosts)
+    derive_fleet_architectures(hosts)
     derive_gateways(hosts, members)
     return Inventory(path, hosts, members)
 

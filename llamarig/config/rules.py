@@ -114,11 +114,12 @@ def _cuda_backend_problems(data: dict) -> list[Problem]:
                 "`cuda`; choose a driver source or build for the cpu",
             )
         )
-    if data["llama_cpp"]["cuda_architectures"] == "auto" and not data["gpus"]:
+    listed = data["llama_cpp"]["cuda_architectures"]
+    if listed in ("auto", "fleet") and not data["gpus"]:
         problems.append(
             Problem(
                 ("llama_cpp", "cuda_architectures"),
-                "`auto` needs the `gpus` "
+                f"`{listed}` needs the `gpus` "
                 'list; declare the GPUs or give a list such as "86-real;120a-real" '
                 "(a build host's own GPUs are not the target's)",
             )

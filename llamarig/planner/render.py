@@ -60,7 +60,8 @@ def cuda_arch_list(data: dict) -> str | None:
     if data["llama_cpp"]["backend"] != "cuda":
         return None
     configured = data["llama_cpp"]["cuda_architectures"]
-    if configured != "auto":
+    # `fleet` not derived (data that did not come through the inventory): this rig's own GPUs.
+    if configured not in ("auto", "fleet"):
         return configured
     return cuda_architectures(gpu["compute_capability"] for gpu in data["gpus"])
 
