@@ -85,6 +85,7 @@ def _make(share: builds.Share, done: set) -> OperationMeta | None:
             platform=share.key.platform,
             cuda_architectures=fleet.cuda_architectures(share.data),
             needed=share.needed,
+            cuobjdump=render.cuobjdump_path(share.data),
         )
     return build
 
@@ -158,4 +159,5 @@ def _receive(rig: dict, paths: dict, share: builds.Share) -> OperationMeta:
         manifest=render.build_manifest(rig),
         cuda_architectures=fleet.cuda_architectures(rig),
         source=share.source,
+        compute_capabilities=[gpu["compute_capability"] for gpu in rig["gpus"]],
     )

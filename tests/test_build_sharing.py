@@ -18,6 +18,7 @@ import pytest
 from llamarig.config import load_inventory
 from llamarig.onhost import build_archive
 from llamarig.onhost.build_archive import CachedBuildError
+from llamarig.operations import shipping
 from llamarig.planner import fleet
 from tests.conftest import PROJECT
 
@@ -173,7 +174,9 @@ def test_a_changed_file_with_a_manifest_that_names_the_new_archive_is_refused(tm
 @pytest.mark.parametrize(
     ("change", "refusal"),
     [
-        (lambda m: m.update(version=2), "not a version 1 manifest"),
+        (lambda m: m.update(version=1), "not a version 2 manifest"),
+        (lambda m: m.update(binary_architectures=["sm_86; rm -rf /"]), "binary_architectures"),
+        (lambda m: m.update(binary_architectures="sm_86"), "binary_architectures"),
         (lambda m: m.update(files={}), "lists no files"),
         (lambda m: m["files"].update({"../etc/passwd": "0" * 64}), "lists a file it may not"),
         (lambda m: m["files"].update({"bin/x\nrm -rf /": "0" * 64}), "lists a file it may not"),
@@ -290,3 +293,74 @@ def test_plan_says_which_rig_builds_each_key_and_which_get_it_shipped():
     assert "built here" in lines["rig-a"] and "debian 12" in lines["old"]
     assert "for itself (llama_cpp.share_builds is false)" in lines["own"]
     assert "read with --probe" in fleet.build_line(None, "0c1e57098bba-f86f2a2133", "")
+
+
+# --- the device code of a CUDA build ----------------------------------------------------------
+
+# `cuobjdump --list-elf` of libggml-cuda.so built for "86-real;90-real;120a-real" on the H200
+# machine (bench/runs/multiarch/results.json, 2026-11-30): one cubin per kernel file and arch.
+MULTIARCH = PROJECT / "bench" / "runs" / "multiarch" / "results.json"
+
+
+def recorded_listing() -> str:
+    return "\n".join(json.loads(MULTIARCH.read_text())["build"]["cuobjdump"])
+
+
+def test_the_device_code_of_a_real_build_is_read_from_cuobjdump():
+    listing = recorded_listing()
+    assert listing.count("ELF file") > 3  # the record is the whole listing, not a summary
+    assert build_archive.elf_architectures(listing) == ["sm_86", "sm_90", "sm_120a"]
+    assert build_archive.elf_architectures("garbage\nELF file 1: x.sm_86.ptx\n") == []
+    assert build_archive.unbuilt_architectures("86-real;90-real;120a-real", ["sm_86", "sm_90",
+                                               "sm_120a"]) == []  # fmt: skip
+    # llama.cpp builds a plain 120 as 120a; PTX alone (-virtual) is not device code to check.
+    assert build_archive.unbuilt_architectures("86;120-real;75-virtual", ["sm_86", "sm_120a"]) == []
+    assert build_archive.unbuilt_architectures("86-real;89-real", ["sm_86"]) == ["sm_89"]
+
+
+def test_a_cuda_build_is_kept_only_with_code_for_every_architecture_it_names(tmp_path, cache):
+    archive, sums = packed(tmp_path)
+    manifest = build_archive.store(KEY, archive, sums, "0c1e57098bba-f86f2a2133", "debian 13",
+                                   "86-real;90-real;120a-real", recorded_listing())  # fmt: skip
+    assert manifest.binary_architectures == ["sm_86", "sm_90", "sm_120a"]
+    assert build_archive.verified(KEY).binary_architectures == ["sm_86", "sm_90", "sm_120a"]
+    archive, sums = packed(tmp_path / "again")
+    only_86 = "\n".join(line for line in recorded_listing().splitlines() if "sm_86" in line)
+    with pytest.raises(CachedBuildError, match=r"code for sm_86 .*not for sm_90, sm_120a"):
+        build_archive.store(KEY, archive, sums, "0c1e57098bba-f86f2a2133", "debian 13",
+                            "86-real;90-real;120a-real", only_86)  # fmt: skip
+    with pytest.raises(CachedBuildError, match="no architecture"):
+        build_archive.store(
+            KEY, archive, sums, "0c1e57098bba-f86f2a2133", "debian 13", "90-real", ""
+        )
+
+
+def test_a_rig_gets_a_cuda_build_only_with_code_for_each_of_its_gpus():
+    binary = ["sm_86", "sm_90"]
+    assert shipping.without_code(binary, ["8.6", "9.0"]) == []
+    assert shipping.without_code(binary, ["8.9"]) == []  # sm_86 SASS runs on 8.9
+    assert shipping.without_code(binary, ["12.0", "8.0"]) == ["12.0", "8.0"]
+    assert shipping.without_code(["sm_120a"], ["12.0", "12.1"]) == ["12.1"]  # arch-specific
+
+
+def test_the_pack_command_lists_the_device_code_with_the_toolkits_cuobjdump(tmp_path):
+    """The command as the builder runs it, here with a cuobjdump stand-in that prints the
+    recorded listing (no toolkit on this machine): the listing lands beside the archive, and a
+    build without libggml-cuda is refused."""
+    build = fake_build(tmp_path / "builds" / "b")
+    stand_in = tmp_path / "cuobjdump"
+    stand_in.write_text(
+        f'#!/bin/sh\n[ "$1" = --list-elf ] && [ -f "$2" ] && cat {tmp_path}/listing\n'
+    )
+    stand_in.chmod(0o755)
+    (tmp_path / "listing").write_text(recorded_listing() + "\n")
+    archive, sums, elf = (tmp_path / name for name in ("b.tar", "b.sha256", "b.elf"))
+    command = build_archive.pack_command(
+        str(build), str(archive), str(sums), str(stand_in), str(elf)
+    )
+    missing = subprocess.run(["sh", "-c", command], capture_output=True, text=True)
+    assert missing.returncode != 0 and "no libggml-cuda.so" in missing.stderr
+    (build / "bin" / "libggml-cuda.so.0.9.0").write_bytes(b"\x7fELF cuda")
+    (build / "bin" / "libggml-cuda.so").symlink_to("libggml-cuda.so.0.9.0")
+    subprocess.run(["sh", "-c", command], check=True)
+    assert build_archive.elf_architectures(elf.read_text()) == ["sm_86", "sm_90", "sm_120a"]

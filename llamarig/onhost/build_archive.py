@@ -1,7 +1,8 @@
 """A llama.cpp build shipped from the rig that built it to the others of its build key: the
 archive of its `bin/` (a tar of regular files and links within it), the manifest beside it in
 the control machine's cache (the key, each file's sha256, the CUDA architectures the build's
-options name, the archive's sha256), and the checks each side makes of them.
+options name and those its binary holds code for, the archive's sha256), and the checks each
+side makes of them.
 
 The cache is on the control machine, under ``$LLAMARIG_BUILD_CACHE`` (else
 ``$XDG_CACHE_HOME/llamarig/builds``, else ``~/.cache/llamarig/builds``): one directory per key,
@@ -29,10 +30,14 @@ ARCHIVE = "build.tar"
 MANIFEST = "manifest.json"
 SUMS = "SHA256SUMS"
 CACHE_KEEP = 8
-MANIFEST_VERSION = 1
+# 2: the architectures of the binary's own code (cuobjdump --list-elf) recorded.
+MANIFEST_VERSION = 2
 _KEY = re.compile(r"[0-9a-f]{12}-[0-9a-f]{10}-[0-9a-f]{12}")
 _MEMBER = re.compile(r"bin/[A-Za-z0-9._+-]+")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# An architecture of device code: cuobjdump names each cubin NAME.N.sm_XY[a|f].cubin.
+_SM = re.compile(r"sm_[0-9]{2,3}[af]?")
+_CUBIN = re.compile(r"ELF file\s+\d+:\s+\S*\.(sm_[0-9]{2,3}[af]?)\.cubin\s*$")
 
 
 class CachedBuildError(Exception):
@@ -57,7 +62,8 @@ def entry(key: str) -> Path:
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a cached build is: its key, build directory name, platform, CUDA architectures,
+    """What a cached build is: its key, build directory name, platform, the CUDA architectures
+    its options name and those its binary holds code for (``sm_86``; none for a CPU build),
     each file's sha256 and each link's target (paths under bin/), and the archive's sha256.
 
     **Example**::
@@ -65,7 +71,7 @@ class Manifest:
         Manifest(key="0c1e57098bba-f86f2a2133-3b1f0e9a7c2d", build_id="0c1e57098bba-f86f2a2133",
                  platform="debian 13 x86_64", cuda_architectures="",
                  files={"bin/llama-server": "9f…"}, links={"bin/libllama.so": "libllama.so.0"},
-                 archive_sha256="4c…")
+                 archive_sha256="4c…", binary_architectures=[])
     """
 
     key: str
@@ -75,6 +81,7 @@ class Manifest:
     files: dict[str, str]
     links: dict[str, str]
     archive_sha256: str
+    binary_architectures: list[str]
 
     def to_json(self) -> str:
         return json.dumps({"version": MANIFEST_VERSION, **self.__dict__}, indent=2, sort_keys=True)
@@ -112,7 +119,40 @@ def read_manifest(text: str) -> Manifest:
             raise CachedBuildError(f"{MANIFEST}: link {name} points outside the build: {target!r}")
     if not _SHA256.fullmatch(raw["archive_sha256"]) or not _KEY.fullmatch(raw["key"]):
         raise CachedBuildError(f"{MANIFEST} has a malformed key or archive digest")
-    return Manifest(**{name: raw[name] for name in fields}, files=files, links=links)
+    binary = raw.get("binary_architectures")
+    if not isinstance(binary, list) or not all(
+        isinstance(sm, str) and _SM.fullmatch(sm) for sm in binary
+    ):
+        raise CachedBuildError(f"{MANIFEST} has malformed binary_architectures")
+    return Manifest(
+        **{name: raw[name] for name in fields},
+        files=files,
+        links=links,
+        binary_architectures=binary,
+    )
+
+
+def elf_architectures(listing: str) -> list[str]:
+    """The architectures of the device code in `cuobjdump --list-elf`'s ``listing`` (each
+    ``sm_XY``, once, lowest first); lines of another shape are not read."""
+    found = {match[1] for line in listing.splitlines() if (match := _CUBIN.match(line.strip()))}
+    return sorted(found, key=lambda sm: (int(re.sub(r"\D", "", sm)), sm))
+
+
+def unbuilt_architectures(configured: str, binary: list[str]) -> list[str]:
+    """The entries of the options' CMAKE_CUDA_ARCHITECTURES list (``configured``) with real
+    code (not ``-virtual``) whose ``sm_`` the binary lacks; llama.cpp builds a plain 12X as
+    12Xa."""
+    missing = []
+    for entry_ in filter(None, configured.split(";")):
+        number, _, kind = entry_.partition("-")
+        if kind == "virtual":
+            continue
+        if re.fullmatch(r"12[0-9]", number):
+            number += "a"
+        if f"sm_{number}" not in binary:
+            missing.append(f"sm_{number}")
+    return missing
 
 
 def _sha256_stream(stream) -> str:
@@ -179,10 +219,13 @@ def store(
     build_id: str,
     platform: str,
     cuda_architectures: str,
+    elf_listing: str | None = None,
 ) -> Manifest:
     """Put a fetched archive into the cache as ``key``'s build: its members must be exactly
-    the files ``sums`` (the builder's `sha256sum` of them) lists. The entry appears whole or
-    not at all; the oldest beyond CACHE_KEEP are removed."""
+    the files ``sums`` (the builder's `sha256sum` of them) lists, and for a CUDA build its
+    binary (``elf_listing``: `cuobjdump --list-elf` of its libggml-cuda) must hold code for
+    every architecture its options name. The entry appears whole or not at all; the oldest
+    beyond CACHE_KEEP are removed."""
     listed: dict[str, str] = {}
     for line in sums.splitlines():
         digest, _, name = line.partition("  ")
@@ -190,8 +233,17 @@ def store(
     files, links = archive_members(archive)
     if files != listed:
         raise CachedBuildError(f"the archive fetched for {key} differs from the builder's files")
+    binary = elf_architectures(elf_listing) if elf_listing is not None else []
+    if cuda_architectures:
+        missing = unbuilt_architectures(cuda_architectures, binary)
+        if missing:
+            raise CachedBuildError(
+                f"its libggml-cuda holds code for {', '.join(binary) or 'no architecture'} "
+                f"(cuobjdump --list-elf), not for {', '.join(missing)}, which its options "
+                f"name ({cuda_architectures})"
+            )
     manifest = Manifest(
-        key, build_id, platform, cuda_architectures, files, links, _sha256_file(archive)
+        key, build_id, platform, cuda_architectures, files, links, _sha256_file(archive), binary
     )
     read_manifest(manifest.to_json())  # the shape every later reader checks
     final = entry(key)
@@ -217,13 +269,24 @@ def _evict(root: Path) -> None:
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def pack_command(build_dir: str, archive: str, sums: str) -> str:
+def pack_command(
+    build_dir: str, archive: str, sums: str, cuobjdump: str | None = None, elf: str = ""
+) -> str:
     """The builder's shell command: `bin/` of ``build_dir`` into the tar ``archive`` and its
-    files' sha256 into ``sums``."""
+    files' sha256 into ``sums``; for a CUDA build (``cuobjdump``: the toolkit's) the device
+    code its libggml-cuda holds into ``elf``."""
     build, tar, listing = shlex.quote(build_dir), shlex.quote(archive), shlex.quote(sums)
-    return (
+    command = (
         f"cd {build} && tar --sort=name --owner=0 --group=0 --numeric-owner -cf {tar} bin && "
         f"find bin -type f -print0 | sort -z | xargs -0 sha256sum > {listing}"
+    )
+    if cuobjdump is None:
+        return command
+    return (
+        f"{command} && library=$(find bin -name 'libggml-cuda.so*' -type f | sort | head -n 1) "
+        '&& { [ -n "$library" ] || { echo "llamarig: no libggml-cuda.so in '
+        f'{build_dir}/bin: not a CUDA build" >&2; false; }}; }} '
+        f'&& LC_ALL=C {shlex.quote(cuobjdump)} --list-elf "$library" > {shlex.quote(elf)}'
     )
 
 

@@ -19,6 +19,7 @@ from llamarig.facts.cache import known
 from llamarig.facts.files import JsonFile
 from llamarig.onhost import build_archive
 from llamarig.onhost.build_archive import CachedBuildError
+from llamarig.tables.hardware import architecture_runs_on
 from llamarig.tables.text import printable
 
 
@@ -34,16 +35,20 @@ def pack_build(
     platform: str,
     cuda_architectures: str,
     needed: Callable[[], bool],
+    cuobjdump: str | None = None,
 ):
     """
     Keep this rig's build (its ``bin/``) in the control machine's cache as the build of
-    ``key``, when another rig of the key needs it and the cache holds no sound copy.
+    ``key``, when another rig of the key needs it and the cache holds no sound copy. A CUDA
+    build is kept only when its binary holds code for every architecture its options name.
 
     + build_dir: the finished build directory on this host
     + key: the build key (planner/fleet.py)
     + build_id, platform, cuda_architectures: what the manifest records of it
     + needed: asked when the operation runs: whether another rig of the key is to get it
       (those rigs are planned after this one, so the answer is known only then)
+    + cuobjdump: the toolkit's cuobjdump, for a CUDA build (None for a CPU build): it lists
+      the device code of the build's libggml-cuda
 
     **Example:**
 
@@ -68,25 +73,27 @@ def pack_build(
     else:
         host.noop(f"the control machine's cache holds build {key}")
         return
-    archive, sums = f"{build_dir}.tar", f"{build_dir}.sha256"
-    yield build_archive.pack_command(build_dir, archive, sums)
-    yield FunctionCommand(_fetch, (key, archive, sums, build_id, platform, cuda_architectures), {})
-    yield f"rm -f {shlex.quote(archive)} {shlex.quote(sums)}"
+    archive, sums, elf = (f"{build_dir}.{suffix}" for suffix in ("tar", "sha256", "elf"))
+    yield build_archive.pack_command(build_dir, archive, sums, cuobjdump, elf)
+    made = (build_id, platform, cuda_architectures)
+    yield FunctionCommand(_fetch, (key, archive, sums, elf if cuobjdump else None, made), {})
+    yield f"rm -f {shlex.quote(archive)} {shlex.quote(sums)} {shlex.quote(elf)}"
 
 
-def _fetch(state, host, key, archive, sums, build_id, platform, cuda_architectures) -> bool:  # noqa: ARG001 - pyinfra's callback signature
+def _fetch(state, host, key, archive, sums, elf, made) -> bool:  # noqa: ARG001 - pyinfra's callback signature
     root = build_archive.cache_root()
     local = root / f".{key}.{os.getpid()}.{time.monotonic_ns()}.tar"
-    listing = io.BytesIO()
+    listing, elf_listing = io.BytesIO(), io.BytesIO()
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         started = time.monotonic()
-        if not host.get_file(archive, str(local)) or not host.get_file(sums, listing):
+        fetched = host.get_file(archive, str(local)) and host.get_file(sums, listing)
+        if not fetched or (elf and not host.get_file(elf, elf_listing)):
             _log_error(host, f"could not fetch {archive} from {host.name}")
             return False
         manifest = build_archive.store(
-            key, local, listing.getvalue().decode(errors="replace"), build_id, platform,
-            cuda_architectures,
+            key, local, listing.getvalue().decode(errors="replace"), *made,
+            elf_listing=elf_listing.getvalue().decode(errors="replace") if elf else None,
         )  # fmt: skip
     except CachedBuildError as error:
         _log_error(host, f"the build fetched from {host.name} is refused: {error}")
@@ -118,6 +125,7 @@ def install_shipped_build(
     manifest: dict,
     cuda_architectures: str,
     source: str,
+    compute_capabilities: list[str] = (),
 ):
     """
     Put the cached build of ``key`` on this rig as ``build_dir``: every file's sha256 is
@@ -130,6 +138,7 @@ def install_shipped_build(
     + marker, manifest: the completion marker and what it records (as ``cmake_build``)
     + cuda_architectures: what this rig's GPUs need; the cached build must carry exactly that
     + source: where the build came from, for the messages (a host, or the cache)
+    + compute_capabilities: this rig's GPUs'; the binary must hold code that runs on each
 
     **Example:**
 
@@ -142,6 +151,7 @@ def install_shipped_build(
             manifest={"commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f"},
             cuda_architectures="",
             source="rig-1",
+            compute_capabilities=[],
         )
     """
     if known(JsonFile, path=marker) == manifest:
@@ -149,13 +159,15 @@ def install_shipped_build(
         return
     archive, sums = f"{build_dir}.tar", f"{build_dir}.sha256"
     yield f"mkdir -p {shlex.quote(str(PurePosixPath(build_dir).parent))}"
-    yield FunctionCommand(_send, (key, archive, sums, cuda_architectures, source), {})
+    needs = (cuda_architectures, list(compute_capabilities))
+    yield FunctionCommand(_send, (key, archive, sums, needs, source), {})
     yield build_archive.unpack_command(
         build_dir, archive, sums, marker, build_archive.marker_text(manifest)
     )
 
 
-def _send(state, host, key, archive, sums, cuda_architectures, source) -> bool:  # noqa: ARG001
+def _send(state, host, key, archive, sums, needs, source) -> bool:  # noqa: ARG001
+    cuda_architectures, compute_capabilities = needs
     try:
         manifest = build_archive.verified(key)
     except CachedBuildError as error:
@@ -166,6 +178,14 @@ def _send(state, host, key, archive, sums, cuda_architectures, source) -> bool: 
             host,
             f"build {key} carries CUDA architectures {manifest.cuda_architectures!r}, this rig "
             f"needs {cuda_architectures!r}: nothing is shipped",
+        )
+        return False
+    unserved = without_code(manifest.binary_architectures, compute_capabilities)
+    if unserved:
+        _log_error(
+            host,
+            f"build {key} holds device code for {', '.join(manifest.binary_architectures)}, "
+            f"none that runs on compute {', '.join(unserved)} of this rig: nothing is shipped",
         )
         return False
     started = time.monotonic()
@@ -180,3 +200,16 @@ def _send(state, host, key, archive, sums, cuda_architectures, source) -> bool: 
         f"{time.monotonic() - started:.1f} s); no compiler runs here"
     )
     return True
+
+
+def without_code(binary_architectures: list[str], compute_capabilities: list[str]) -> list[str]:
+    """The compute capabilities of ``compute_capabilities`` that no device code of the binary
+    (``sm_86``, as cuobjdump names it) runs on."""
+    return [
+        capability
+        for capability in compute_capabilities
+        if not any(
+            architecture_runs_on(f"{sm.removeprefix('sm_')}-real", capability)
+            for sm in binary_architectures
+        )
+    ]

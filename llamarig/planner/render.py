@@ -56,6 +56,12 @@ def nvcc_path(data: dict) -> str | None:
     return f"/usr/local/cuda-{cuda['version']}/bin/nvcc"
 
 
+def cuobjdump_path(data: dict) -> str | None:
+    """The toolkit's cuobjdump, beside its nvcc (None for a CPU build)."""
+    nvcc = nvcc_path(data)
+    return f"{nvcc.rsplit('/', 1)[0]}/cuobjdump" if nvcc else None
+
+
 def cuda_arch_list(data: dict) -> str | None:
     if data["llama_cpp"]["backend"] != "cuda":
         return None
