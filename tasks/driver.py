@@ -159,6 +159,9 @@ def deploy() -> list[OperationMeta]:
     if stage.serves_no_model():
         host.noop(f"{stage.rig()['role']}: no NVIDIA driver here")
         return []
+    if stage.builds_only():
+        host.noop("builds only: the driver is left as it is")
+        return []
     rig = stage.rig()
     driver = rig["driver"]
     driver_gpus = known(NvidiaSmiGpus)

@@ -31,7 +31,7 @@ def deploy() -> None:
         # operation, so a gateway sends its key only to rigs that accept it.
         operations.barrier(name="Every rig converged before a gateway changes")
     rig = stage.rig()
-    if not runs_gateway(rig):
+    if not runs_gateway(rig) or stage.builds_only():
         return
     operations.apt_packages(
         name="HAProxy, socat (its runtime API) and openssl, from the distribution",

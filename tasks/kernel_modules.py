@@ -17,7 +17,7 @@ from llamarig.planner import render
 def deploy(reboot_on: list[OperationMeta]) -> None:
     """``reboot_on``: the earlier operations whose change needs a reboot (the driver's)."""
     rig = stage.rig()
-    if rig["driver"]["source"] == "none" or stage.serves_no_model():
+    if rig["driver"]["source"] == "none" or stage.serves_no_model() or stage.builds_only():
         host.noop("no NVIDIA driver wanted: kernel modules left as they are")
         return
     if not rig["kernel_modules"]["manage"]:

@@ -1,6 +1,8 @@
 """llama.cpp: build dependencies, the pinned commit, one build per (commit, options) in its own
 directory, and the `current` link the service runs through. Rigs of one build key build once:
-the first builds, the others get its build shipped, checked (converge/builds.py)."""
+the first builds, the others get its build shipped, checked (converge/builds.py). With
+LLAMARIG_BUILDS_ONLY=1 (`llamarig rollout`'s first step) the builds are made and kept, and
+nothing else is done."""
 
 from pyinfra import api, host
 from pyinfra.api.operation import OperationMeta
@@ -35,7 +37,7 @@ def deploy() -> OperationMeta:
     # pyinfra runs each host's operations in order, not the hosts' in step: the builds and
     # their packing must be done before any rig of their key is sent its build.
     operations.barrier(name="Every build of this run made and kept before any is shipped")
-    if rig is None:
+    if rig is None or stage.builds_only():  # a rig gets its key's build in its own run
         return None
     build = made[0] or _receive(rig, paths, shares[0])
     # A command line the binary does not know must stop the run before the link and unit change.

@@ -28,6 +28,9 @@ def deploy() -> list[OperationMeta]:
     if stage.serves_no_model():
         host.noop(f"{stage.rig()['role']}: no model here")
         return []
+    if stage.builds_only():
+        host.noop("builds only: the model is left as it is")
+        return []
     rig = stage.rig()
     if rig["role"] == "rpc-worker":
         _hub_token([])

@@ -19,7 +19,7 @@ from llamarig.planner import render
 def deploy(restart_on: list[OperationMeta]) -> list[OperationMeta]:
     """``restart_on``: the earlier operations whose change must restart the worker (the build's
     link). Returns what (re)starts the worker, for the verify stage."""
-    if stage.serves_no_model():
+    if stage.serves_no_model() or stage.builds_only():
         return []
     rig = stage.plan().resolved
     serving = _worker(rig, restart_on) if rig["role"] == "rpc-worker" else []

@@ -37,6 +37,9 @@ def deploy(restart_on: list[OperationMeta]) -> list[OperationMeta]:
     if stage.serves_no_model():
         host.noop(f"{stage.rig()['role']}: no llama-server here")
         return []
+    if stage.builds_only():
+        host.noop("builds only: the server is left as it is")
+        return []
     # The plan's data: ctx and tensor_split resolved from the GPUs and the model header.
     rig = stage.plan().resolved
     if rig["role"] == "rpc-worker":

@@ -20,7 +20,8 @@ from llamarig.planner import render
 def deploy(serving: list[OperationMeta]) -> None:
     """``serving``: what (re)starts the service in this run; when any of it changed, the
     server or rpc_worker stage's wait has checked the service already."""
-    if stage.serves_no_model():  # the gateway stage waits until every model has a rig up
+    # A gateway's stage waits until every model has a rig up; a builds-only run serves nothing.
+    if stage.serves_no_model() or stage.builds_only():
         return
     rig = stage.rig()
     restarted = any_changed(*serving)

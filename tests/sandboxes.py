@@ -41,9 +41,14 @@ def build_cache(inventory: Path) -> Path:
     return inventory.parent / "build-cache"
 
 
-def deploy(inventory: Path, *extra: str, timeout: int = 3600) -> subprocess.CompletedProcess:
-    """Run `pyinfra -y inventory.py deploy.py` for real with RIG_INVENTORY=inventory."""
-    return subprocess.run(**_deploy_call(inventory, extra), capture_output=True, timeout=timeout)
+def deploy(
+    inventory: Path, *extra: str, timeout: int = 3600, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """Run `pyinfra -y inventory.py deploy.py` for real with RIG_INVENTORY=inventory (and the
+    variables ``env``)."""
+    call = _deploy_call(inventory, extra)
+    call["env"].update(env or {})
+    return subprocess.run(**call, capture_output=True, timeout=timeout)
 
 
 def deploy_watched(inventory: Path, on_line: Callable[[str], None]) -> tuple[int, str]:
@@ -71,9 +76,9 @@ def failure_lines(result: subprocess.CompletedProcess, most: int = 80) -> str:
     return "\n".join(said[-most:])
 
 
-def converge(inventory: Path) -> dict:
+def converge(inventory: Path, env: dict | None = None) -> dict:
     """A deploy that must succeed; returns pyinfra's JSON results."""
-    result = deploy(inventory, "--json")
+    result = deploy(inventory, "--json", env=env)
     assert result.returncode == 0, f"deploy failed:\n{result.stderr[-6000:]}"
     return json.loads(result.stdout)["results"]
 

@@ -161,5 +161,28 @@ def test_plan_shows_the_builder_making_the_rigs_key(team):
     assert len(re.findall(shipped + "no compiler here", shown.stdout)) == 2, shown.stdout
 
 
+def test_verify_skips_the_rig_checks_on_the_builder_saying_why(team):
+    from llamarig.checks.conftest import BUILDER_ONLY
+
+    result = sandboxes.llamarig(team["path"], "verify", "--host", BUILDER, "--", "-v", "-rs")
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-6000:]
+    assert re.search(r"test_os_is_supported\[[^\]]*\] PASSED", output), output[-6000:]
+    assert BUILDER_ONLY in output, output[-6000:]
+    assert " FAILED" not in output
+
+
+def test_a_builds_only_run_changes_nothing_and_a_careless_switch_is_refused(team):
+    """`LLAMARIG_BUILDS_ONLY=1` with every build made changes nothing; a value that is neither
+    1 nor 0 stops the run before any host changes (a whole deploy where builds only were meant
+    would restart the rigs)."""
+    assert changed_operations(sandboxes.converge(team["path"], {"LLAMARIG_BUILDS_ONLY": "1"})) == []
+    refused = sandboxes.deploy(team["path"], env={"LLAMARIG_BUILDS_ONLY": "yes"})
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0, output[-4000:]
+    assert "LLAMARIG_BUILDS_ONLY is 'yes': set it to 1" in output, output[-4000:]
+    assert "Beginning operation run" not in output  # refused while the run was prepared
+
+
 def test_the_next_converge_changes_nothing(team):
     assert changed_operations(sandboxes.converge(team["path"])) == []

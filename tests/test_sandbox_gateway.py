@@ -69,10 +69,12 @@ def inventory(
     fronted=(RIG_A, RIG_B),
     ctx: int = 2048,
     hold_timeout: int = 60,
+    cmake_options: dict | None = None,
 ) -> Path:
     """Three hosts: the demo rig's settings on the two rigs (one thread, speed unmeasured:
     sandboxes.lane_rig), the gateway in the `gateways` group fronting the rigs of group
-    `front` (``fronted``); ``ctx``: rig-a's context, and the router's SmolLM2 twice it."""
+    `front` (``fronted``); ``ctx``: rig-a's context, and the router's SmolLM2 twice it;
+    ``cmake_options``: added to both rigs' build options."""
     demo = yaml.safe_load((PROJECT / "inventory" / "hosts.yml").read_text())
     base = demo["all"]["children"]["sandbox"]["hosts"]["sandbox"]
     smollm2_model = base["model"]
@@ -81,6 +83,7 @@ def inventory(
         rig = yaml.safe_load(yaml.safe_dump(base))
         rig["ssh"] = _host(name, str(infos[name].known_hosts_path))["ssh"]
         rig["server"].update(port=RIG_PORTS[name], api_key_file=str(keys[name]))
+        rig["llama_cpp"]["cmake_options"].update(cmake_options or {})
         sandboxes.lane_rig(rig)
         rigs[name] = rig
     rigs[RIG_A]["server"].update(alias="smollm2", ctx=ctx)
@@ -561,6 +564,45 @@ def test_a_change_rolls_through_both_rigs_one_at_a_time_and_cuts_nothing(team):
     in_sandbox(team["infos"][RIG_A], f"grep -q -- '-c 3072' {unit}")
     assert changed_operations(sandboxes.converge(changed)) == []
     team["path"] = changed
+
+
+def test_a_build_change_is_compiled_once_and_shipped_while_clients_stream(team):
+    """4 clients stream throughout; both rigs' build options change (a new build key): the
+    rollout's first step compiles the new build once, on rig-a while it still serves, and keeps
+    it; rig-a's own step switches to it, rig-b's gets it shipped from the control machine's
+    cache, with no compiler on rig-b before or after. Every request ends whole; the next
+    converge changes nothing."""
+    infos = team["infos"]
+    assert compilers(infos[RIG_B]) == ""
+    changed = inventory(team["dir"] / "build.yml", infos, team["keys"], ctx=3072,
+                        cmake_options={"LLAMA_BUILD_EXAMPLES": False})  # fmt: skip
+    records, output = rolled_out_under_load(team, changed, 4)
+    broken = [record for record in records if not whole(record)]
+    assert len(records) > 10 and not broken, (len(records), broken[:5], output[-6000:])
+    assert f"step 1 of 4: {RIG_A}, {RIG_B} (the builds" in output, output[-6000:]
+    # pyinfra writes to stderr, the rollout its steps to stdout: each run of pyinfra begins so.
+    runs = output.split("--> Loading config...")
+    assert len(runs) == 5, output[-6000:]
+    builds, rig_a_run, rig_b_run = runs[1:4]
+    compiled = re.search(rf"\[{RIG_A}\]\s+llamarig: build (\S+) kept in ", builds)
+    ship = re.compile(r"llamarig: build \S+ shipped from")
+    assert compiled and not ship.search(builds), builds[-8000:]
+    key = compiled[1]
+    assert "kept in" not in rig_a_run and not ship.search(rig_a_run), rig_a_run[-6000:]
+    shipped = rf"\[{RIG_B}\]\s+llamarig: build {key} shipped from the control machine's cache"
+    assert re.search(shipped, rig_b_run), rig_b_run[-8000:]
+    assert compilers(infos[RIG_B]) == ""
+    running = {
+        name: in_sandbox(infos[name], "readlink /opt/llamarig/current") for name in (RIG_A, RIG_B)
+    }
+    assert running[RIG_A] == running[RIG_B] and key.startswith(running[RIG_A].rsplit("/")[-1])
+    assert changed_operations(sandboxes.converge(changed)) == []
+    team["path"] = changed
+    print(f"build change rolled out: {len(records)} requests ended whole, 0 cut; {compiled[0]}")
+
+
+def compilers(info) -> str:
+    return in_sandbox(info, "for c in cc c++ gcc g++ cmake ninja; do command -v $c; done; true")
 
 
 def test_one_rig_behind_the_gateway_holds_new_requests_while_it_restarts(team):

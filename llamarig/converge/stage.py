@@ -7,6 +7,7 @@ so that every stage reads the one validated copy.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from pyinfra import host, logger, state
@@ -36,7 +37,7 @@ from llamarig.model.files import model_files
 from llamarig.model.reference import HubError, hub_token_file
 from llamarig.onhost import checksums, deploy_record, hostpaths
 from llamarig.operations.rotation import Rotation
-from llamarig.planner import gateway, render
+from llamarig.planner import fleet, gateway, render
 from llamarig.planner.gather import plan_for
 from llamarig.planner.host_plan import HostPlan
 from llamarig.tables.packages import BUILD_DEPENDENCIES, DKMS_SOURCES, build_tools
@@ -76,6 +77,21 @@ def builder_only() -> bool:
     """True for a host of the `builders` group (`role: builder`): it builds llama.cpp for the
     rigs of the run and serves nothing; the stages of a rig but the build leave it alone."""
     return rig()["role"] == "builder"
+
+
+def builds_only() -> bool:
+    """True in a run that makes and keeps the builds and changes nothing that serves
+    (LLAMARIG_BUILDS_ONLY=1: `llamarig rollout`'s first step); the stages after the build
+    leave every host alone."""
+    value = os.environ.get(fleet.BUILDS_ONLY_ENV, "")
+    if value not in ("", "0", "1"):  # a full deploy where builds only were meant changes rigs
+        refuse(
+            [
+                f"{fleet.BUILDS_ONLY_ENV} is {printable(repr(value))}: set it to 1 to make and "
+                "keep the builds only, or unset it (or 0) for the whole deploy"
+            ]
+        )
+    return value == "1"
 
 
 def serves_no_model() -> bool:

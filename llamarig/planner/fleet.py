@@ -27,6 +27,10 @@ from dataclasses import dataclass
 from llamarig.planner import render
 from llamarig.tables.platform import os_key
 
+# Set to 1, the deploy makes and keeps the builds and changes nothing that serves: the first
+# step of `llamarig rollout`, so that each rig's own step gets its key's build shipped.
+BUILDS_ONLY_ENV = "LLAMARIG_BUILDS_ONLY"
+
 
 @dataclass(frozen=True)
 class BuildKey:

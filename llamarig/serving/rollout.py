@@ -3,6 +3,11 @@ users see no error. pyinfra runs each operation on every host at once, so the de
 would restart every rig of a model together (the gateway would hold their requests until one
 serves); the rollout runs it per batch with `--limit`, as Ansible's `serial:` does:
 
+0. the builds (LLAMARIG_BUILDS_ONLY: the deploy makes and keeps the builds and changes nothing
+   that serves), on every rig and builder at once: a build key's one build is made there (by a
+   builder, or the first rig of the key while it still serves) and kept in the control
+   machine's cache, so each rig's own step below gets it shipped instead of compiling it, out
+   of rotation, once per rig;
 1. the rigs the gateways front, in batches of at most `gateway.max_unavailable` rigs of any
    one model (with the RPC workers of a head in its batch): each rig's restart takes it out of
    its gateways' rotation first and puts it back once it is checked (tasks/server.py), so the
@@ -10,13 +15,14 @@ serves); the rollout runs it per batch with `--limit`, as Ansible's `serial:` do
 2. the gateways, whose changes (users, rigs, certificate) HAProxy applies by a reload: a rig
    added now gets requests it accepts, a rig removed gets no more;
 3. the other hosts (rigs no gateway fronts, and those it fronted until step 2, which only now
-   stop accepting its key), at once.
+   stop accepting its key), at once; builders ran in step 0 only.
 
 The first batch that fails stops the rollout, before any other rig is touched; the summary
 says which rigs run which build."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -25,6 +31,7 @@ from llamarig import PROJECT_DIR
 from llamarig.config import Inventory
 from llamarig.config.builders import SERVES_NO_MODEL
 from llamarig.config.gateways import GATEWAYS_GROUP
+from llamarig.planner import fleet
 from llamarig.planner.gather import run_on_host
 from llamarig.planner.render import layout
 from llamarig.tables.text import printable
@@ -36,6 +43,7 @@ class Step:
 
     hosts: tuple[str, ...]
     what: str
+    builds_only: bool = False
 
 
 def _backends_of(inventory: Inventory, rig: str) -> set[str]:
@@ -61,6 +69,8 @@ def steps(inventory: Inventory) -> list[Step]:
     """The runs of a rollout, in order (module docstring)."""
     gateways = inventory.groups.get(GATEWAYS_GROUP, [])
     hosts = inventory.hosts
+    building = tuple(name for name, host in hosts.items() if host.data["role"] != "gateway")
+    builders = {name for name, host in hosts.items() if host.data["role"] == "builder"}
     fronted = [name for name, host in hosts.items() if host.data["server"].get("gateways")]
     batches: list[list[str]] = []
     for rig in fronted:
@@ -77,14 +87,29 @@ def steps(inventory: Inventory) -> list[Step]:
         Step((*batch, *_workers_of(inventory, batch)), "out of rotation, changed, checked, back")
         for batch in batches
     ]
-    placed = {name for step in plan for name in step.hosts}
+    placed = {name for step in plan for name in step.hosts} | builders
     gateway_hosts = [name for name in gateways if name not in placed]
     if gateway_hosts:
         plan.append(Step(tuple(gateway_hosts), "the gateways (a reload keeps every connection)"))
     rest = [name for name in hosts if name not in placed and name not in gateway_hosts]
     if rest:
         plan.append(Step(tuple(rest), "the hosts no gateway fronts"))
+    if building and (builders or any(hosts[name].data["llama_cpp"]["share_builds"]
+                                     for name in building)):  # fmt: skip
+        plan.insert(0, Step(building, BUILDS_STEP, builds_only=True))
     return plan
+
+
+BUILDS_STEP = "the builds: each made once and kept, nothing that serves changed"
+
+
+def step_env(step: Step) -> dict[str, str]:
+    """The environment of a step's deploy: this one's, with the builds-only switch set for
+    the builds step and removed otherwise."""
+    env = {key: value for key, value in os.environ.items() if key != fleet.BUILDS_ONLY_ENV}
+    if step.builds_only:
+        env[fleet.BUILDS_ONLY_ENV] = "1"
+    return env
 
 
 def _workers_of(inventory: Inventory, batch: list[str]) -> list[str]:
@@ -125,7 +150,9 @@ def rollout(inventory: Inventory, extra: list[str]) -> int:
             f"({step.what})",
             flush=True,
         )
-        status = subprocess.run(deploy_command(step.hosts, extra), cwd=PROJECT_DIR).returncode
+        status = subprocess.run(
+            deploy_command(step.hosts, extra), cwd=PROJECT_DIR, env=step_env(step)
+        ).returncode
         if status != 0:
             done = [h for s in plan[: number - 1] for h in s.hosts]
             untouched = [h for s in plan[number:] for h in s.hosts]
