@@ -154,7 +154,7 @@ def rollout(inventory: Inventory, extra: list[str]) -> int:
             deploy_command(step.hosts, extra), cwd=PROJECT_DIR, env=step_env(step)
         ).returncode
         if status != 0:
-            done = [h for s in plan[: number - 1] for h in s.hosts]
+            done = [h for s in plan[: number - 1] if not s.builds_only for h in s.hosts]
             untouched = [h for s in plan[number:] for h in s.hosts]
             print(
                 f"llamarig rollout: step {number} failed on {', '.join(step.hosts)}; stopped "
