@@ -37,7 +37,10 @@ def deploy() -> OperationMeta:
     # pyinfra runs each host's operations in order, not the hosts' in step: the builds and
     # their packing must be done before any rig of their key is sent its build.
     operations.barrier(name="Every build of this run made and kept before any is shipped")
-    if rig is None or stage.builds_only():  # a rig gets its key's build in its own run
+    if rig is None:
+        _prune_builder(shares)
+        return None
+    if stage.builds_only():  # a rig gets its key's build in its own run
         return None
     build = made[0] or _receive(rig, paths, shares[0])
     # A command line the binary does not know must stop the run before the link and unit change.
@@ -90,6 +93,24 @@ def _make(share: builds.Share, done: set) -> OperationMeta | None:
             cuobjdump=render.cuobjdump_path(share.data),
         )
     return build
+
+
+def _prune_builder(shares: list[builds.Share]) -> None:
+    """A builder keeps this run's builds and the newest others up to its `keep_builds`."""
+    made: dict[str, list[str]] = {}
+    for share in shares:
+        if share.how == "build":
+            paths = render.layout(share.data)
+            made.setdefault(paths["builds"], []).append(paths["build"])
+    keep = stage.rig()["llama_cpp"]["keep_builds"]
+    for directory, kept in made.items():
+        operations.prune_builds(
+            name=f"Keep this run's builds and the newest others, {keep} in all at least",
+            builds=directory,
+            keep=keep,
+            current=kept[0],
+            also=tuple(kept[1:]),
+        )
 
 
 def _build(rig: dict, paths: dict, done: set) -> OperationMeta:

@@ -280,6 +280,17 @@ def test_prune_builds_keeps_current_last_good_and_newest(tmp_path):
     assert code == 0, stderr
     assert sorted(p.name for p in builds.iterdir()) == ["fresh"]
 
+    # A builder's run made several builds (one per key): each is kept, whatever `keep` says.
+    for name in ("key-2", "key-3", "older"):
+        (builds / name).mkdir()
+    body = f"""
+    operations.prune_builds(name="prune", builds="{builds}", keep=2, current="{builds}/fresh",
+                            also=("{builds}/key-2", "{builds}/key-3"))
+    """
+    code, results, stderr = run_deploy(tmp_path, body)
+    assert code == 0, stderr
+    assert sorted(p.name for p in builds.iterdir()) == ["fresh", "key-2", "key-3"]
+
 
 def planned_commands(tmp_path: Path, call: str) -> list[str]:
     """The commands an operation's body yields on @local, read through pyinfra's real facts

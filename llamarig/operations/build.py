@@ -157,7 +157,13 @@ class BuildReport:
 
 
 @operation()
-def prune_builds(builds: str, keep: int, current: str, last_good: str | None = None):
+def prune_builds(
+    builds: str,
+    keep: int,
+    current: str,
+    last_good: str | None = None,
+    also: tuple[str, ...] = (),
+):
     """
     Keep the newest ``keep`` build directories: this run's build, the last one that served,
     then the newest others; delete the rest.
@@ -166,6 +172,7 @@ def prune_builds(builds: str, keep: int, current: str, last_good: str | None = N
     + keep: how many builds to keep (at least 1)
     + current: this run's build (kept, and counted as the newest even before it exists)
     + last_good: the build of the last version that served (kept for a rollback)
+    + also: this run's other builds (a builder's, one per build key it makes), kept too
 
     **Example:**
 
@@ -179,7 +186,7 @@ def prune_builds(builds: str, keep: int, current: str, last_good: str | None = N
         )
     """
     present = known(BuildDirectories, path=builds)
-    kept = [PurePosixPath(current).name]
+    kept = list(dict.fromkeys(PurePosixPath(path).name for path in (current, *also)))
     rollback_target = PurePosixPath(last_good).name if last_good else None
     if rollback_target in present and rollback_target not in kept:
         kept.append(rollback_target)
