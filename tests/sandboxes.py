@@ -228,3 +228,31 @@ def fresh_sandbox(name: str, release: str, ssh_port: int):
     info = sandbox.up(release=release, name=name, ssh_port=ssh_port)
     yield info
     sandbox.down(name)
+
+
+def fresh_sandboxes(hosts: dict[str, tuple[str, int]]):
+    """Boot a fresh sandbox per host (name -> (release, SSH port)), in order; a generator for
+    fixtures that yields each one's info by name and takes every one it booted down after."""
+    booted = []
+    try:
+        infos = {}
+        for name, (release, ssh_port) in hosts.items():
+            booted.append(fresh_sandbox(name, release, ssh_port))
+            infos[name] = next(booted[-1])
+        yield infos
+    finally:
+        for sandbox in booted:
+            next(sandbox, None)  # takes the sandbox down
+
+
+def compilers(info) -> str:
+    """The compilers and build tools on the sandbox's PATH, one path a line ("" for none)."""
+    return in_sandbox(info, "for c in cc c++ gcc g++ cmake ninja; do command -v $c; done; true")
+
+
+def build_files(info, directory: str = "/opt/llamarig/current") -> dict[str, str]:
+    """The sha256 of each file under ``directory``/bin (the running build's: `current`), by
+    name."""
+    listing = in_sandbox(info, f"cd {directory}/bin && sha256sum $(find . -type f)")
+    pairs = (line.split() for line in listing.splitlines())
+    return {name.removeprefix("./"): digest for digest, name in pairs}

@@ -24,7 +24,13 @@ import yaml
 from llamarig import CACHE_DIR
 from tests import sandboxes
 from tests.conftest import PROJECT
-from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
+from tests.sandboxes import (
+    build_files,
+    changed_operations,
+    compilers,
+    fresh_sandboxes,
+    in_sandbox,
+)
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
@@ -34,7 +40,6 @@ if os.geteuid() != 0:
 BUILDER, RIG_1, RIG_2 = "sandbox-bd", "sandbox-bd-1", "sandbox-bd-2"
 SSH_PORTS = {BUILDER: 2263, RIG_1: 2264, RIG_2: 2265}
 SERVER_PORTS = {RIG_1: 8134, RIG_2: 8135}
-COMPILERS = "cc c++ gcc g++ cmake ninja"
 
 
 def inventory(path: Path, infos: dict) -> Path:
@@ -78,29 +83,15 @@ def inventory(path: Path, infos: dict) -> Path:
 @pytest.fixture(scope="module")
 def team(tmp_path_factory):
     directory = tmp_path_factory.mktemp("builder")
-    booted = {}
+    sandboxes_up = fresh_sandboxes({name: ("trixie", port) for name, port in SSH_PORTS.items()})
+    infos = next(sandboxes_up)
     try:
-        for name, port in SSH_PORTS.items():
-            booted[name] = fresh_sandbox(name, "trixie", port)
-        infos = {name: next(sandbox) for name, sandbox in booted.items()}
         path = inventory(directory / "team.yml", infos)
         result = sandboxes.deploy(path)
         assert result.returncode == 0, sandboxes.failure_lines(result)
         yield {"infos": infos, "path": path, "first": result}
     finally:
-        for sandbox in booted.values():
-            next(sandbox, None)  # takes the sandbox down
-
-
-def files_under(info, directory: str) -> dict[str, str]:
-    """The sha256 of each file under ``directory``/bin, by name."""
-    listing = in_sandbox(info, f"cd {directory}/bin && sha256sum $(find . -type f)")
-    pairs = (line.split() for line in listing.splitlines())
-    return {name.removeprefix("./"): digest for digest, name in pairs}
-
-
-def compilers(info) -> str:
-    return in_sandbox(info, f"for c in {COMPILERS}; do command -v $c; done; true")
+        next(sandboxes_up, None)  # takes them down
 
 
 def test_the_builder_compiles_and_both_rigs_get_its_bytes_without_a_compiler(team):
@@ -117,10 +108,10 @@ def test_the_builder_compiles_and_both_rigs_get_its_bytes_without_a_compiler(tea
     assert "/usr/bin/gcc" in compilers(infos[BUILDER])
     build_dir = in_sandbox(infos[BUILDER], "ls -d /opt/llamarig/builds/*/")
     assert in_sandbox(infos[BUILDER], f"test -e {build_dir}/CMakeCache.txt && echo y") == "y"
-    built = files_under(infos[BUILDER], build_dir)
+    built = build_files(infos[BUILDER], build_dir)
     assert "llama-server" in built
     for rig in (RIG_1, RIG_2):
-        assert files_under(infos[rig], "/opt/llamarig/current") == built, rig
+        assert build_files(infos[rig]) == built, rig
     cache = sandboxes.build_cache(team["path"])
     assert [entry.name for entry in cache.iterdir() if not entry.name.startswith(".")] == [key]
 

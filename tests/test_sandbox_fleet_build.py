@@ -26,7 +26,13 @@ from llamarig import CACHE_DIR
 from llamarig.onhost import build_archive
 from tests import sandboxes
 from tests.conftest import PROJECT
-from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
+from tests.sandboxes import (
+    build_files,
+    changed_operations,
+    compilers,
+    fresh_sandboxes,
+    in_sandbox,
+)
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
@@ -37,7 +43,6 @@ BUILDER, RECEIVER, OTHER = "sandbox-fb-1", "sandbox-fb-2", "sandbox-fb-bw"
 RELEASES = {BUILDER: "trixie", RECEIVER: "trixie", OTHER: "bookworm"}
 SSH_PORTS = {BUILDER: 2260, RECEIVER: 2261, OTHER: 2262}
 SERVER_PORTS = {BUILDER: 8131, RECEIVER: 8132, OTHER: 8133}
-COMPILERS = "cc c++ gcc g++ cmake ninja"
 
 
 def inventory(path: Path, infos: dict) -> Path:
@@ -62,34 +67,21 @@ def inventory(path: Path, infos: dict) -> Path:
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     directory = tmp_path_factory.mktemp("fleet-build")
-    booted = {}
+    hosts = {name: (release, SSH_PORTS[name]) for name, release in RELEASES.items()}
+    sandboxes_up = fresh_sandboxes(hosts)
+    infos = next(sandboxes_up)
     try:
-        for name, release in RELEASES.items():
-            booted[name] = fresh_sandbox(name, release, SSH_PORTS[name])
-        infos = {name: next(sandbox) for name, sandbox in booted.items()}
         path = inventory(directory / "fleet.yml", infos)
         result = sandboxes.deploy(path)
         assert result.returncode == 0, sandboxes.failure_lines(result)
         yield {"infos": infos, "path": path, "first": result}
     finally:
-        for sandbox in booted.values():
-            next(sandbox, None)  # takes the sandbox down
-
-
-def build_files(info) -> dict[str, str]:
-    """The sha256 of each file under the running build's bin/ (`current`), by name."""
-    listing = in_sandbox(info, "cd /opt/llamarig/current/bin && sha256sum $(find . -type f)")
-    pairs = (line.split() for line in listing.splitlines())
-    return {name.removeprefix("./"): digest for digest, name in pairs}
+        next(sandboxes_up, None)  # takes them down
 
 
 def has_cmake_tree(info) -> bool:
     """Whether the running build was compiled here (CMake left its cache beside bin/)."""
     return in_sandbox(info, "test -e /opt/llamarig/current/CMakeCache.txt && echo y || true") == "y"
-
-
-def compilers(info) -> str:
-    return in_sandbox(info, f"for c in {COMPILERS}; do command -v $c; done; true")
 
 
 def test_one_rig_compiles_the_other_gets_its_bytes_and_another_release_builds_its_own(

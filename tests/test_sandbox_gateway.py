@@ -33,7 +33,7 @@ from llamarig.tables.certificates import fingerprint
 from tests import sandboxes
 from tests.conftest import PROJECT
 from tests.gateway_clients import QUESTION, Endpoint, Streaming, stream_chat, whole
-from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
+from tests.sandboxes import changed_operations, compilers, fresh_sandboxes, in_sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy]
 
@@ -130,18 +130,18 @@ def team(tmp_path_factory):
         name: sandboxes.new_api_key(directory, name)[1]
         for name in (RIG_A, RIG_B, "gateway", *USERS)
     }
-    booted = {}
+    releases = {RIG_A: "trixie", RIG_B: "trixie", GATEWAY: "bookworm"}
+    sandboxes_up = fresh_sandboxes(
+        {name: (release, SSH_PORTS[name]) for name, release in releases.items()}
+    )
+    infos = next(sandboxes_up)
     try:
-        for name, release in ((RIG_A, "trixie"), (RIG_B, "trixie"), (GATEWAY, "bookworm")):
-            booted[name] = fresh_sandbox(name, release, SSH_PORTS[name])
-        infos = {name: next(sandbox) for name, sandbox in booted.items()}
         path = inventory(directory / "team.yml", infos, keys)
         result = sandboxes.deploy(path)
         assert result.returncode == 0, sandboxes.failure_lines(result)
         yield {"infos": infos, "keys": keys, "path": path, "dir": directory, "first": result}
     finally:
-        for sandbox in booted.values():
-            next(sandbox, None)  # takes the sandbox down
+        next(sandboxes_up, None)  # takes them down
 
 
 def key_of(team, user: str) -> str:
@@ -599,10 +599,6 @@ def test_a_build_change_is_compiled_once_and_shipped_while_clients_stream(team):
     assert changed_operations(sandboxes.converge(changed)) == []
     team["path"] = changed
     print(f"build change rolled out: {len(records)} requests ended whole, 0 cut; {compiled[0]}")
-
-
-def compilers(info) -> str:
-    return in_sandbox(info, "for c in cc c++ gcc g++ cmake ninja; do command -v $c; done; true")
 
 
 def test_one_rig_behind_the_gateway_holds_new_requests_while_it_restarts(team):

@@ -30,7 +30,7 @@ from tests import sandboxes
 from tests.conftest import PROJECT
 from tests.gateway_clients import Endpoint, Streaming, whole
 from tests.halting import SERVICE, halted_most_of_the_time, option
-from tests.sandboxes import changed_operations, fresh_sandbox, in_sandbox
+from tests.sandboxes import changed_operations, fresh_sandboxes, in_sandbox
 
 pytestmark = [pytest.mark.sandbox, pytest.mark.slow, pytest.mark.heavy, pytest.mark.alone]
 
@@ -100,18 +100,18 @@ def team(tmp_path_factory):
         name: sandboxes.new_api_key(directory, name)[1]
         for name in (RIG_1, RIG_2, "gateway", "alice")
     }
-    booted = {}
+    releases = {RIG_1: "trixie", RIG_2: "trixie", GATEWAY: "bookworm"}
+    sandboxes_up = fresh_sandboxes(
+        {name: (release, SSH_PORTS[name]) for name, release in releases.items()}
+    )
+    infos = next(sandboxes_up)
     try:
-        for name, release in ((RIG_1, "trixie"), (RIG_2, "trixie"), (GATEWAY, "bookworm")):
-            booted[name] = fresh_sandbox(name, release, SSH_PORTS[name])
-        infos = {name: next(sandbox) for name, sandbox in booted.items()}
         path = inventory(directory / "team.yml", infos, keys, ctx=2048)
         result = sandboxes.deploy(path)
         assert result.returncode == 0, sandboxes.failure_lines(result)
         yield {"infos": infos, "keys": keys, "path": path, "dir": directory}
     finally:
-        for sandbox in booted.values():
-            next(sandbox, None)  # takes the sandbox down
+        next(sandboxes_up, None)  # takes them down
 
 
 def ctx_running(info) -> str:

@@ -63,7 +63,7 @@ def share(data: dict) -> Share:
         return _shares[host.name]
     key = fleet.build_key(data, known(LinuxDistribution), known(Arch), known(CpuFlags), host.name)
     paths = render.layout(data)
-    complete = known(JsonFile, path=paths["build_marker"]) == render.build_manifest(data)
+    complete = _complete(data)
     # A build compiled here leaves CMake's tree beside bin/; a shipped one is bin/ alone.
     shipped_before = complete and not known(File, path=f"{paths['build']}/CMakeCache.txt")
     _keys[host.name], _rig_data[host.name] = key, data
@@ -96,13 +96,17 @@ def builder_shares(data: dict) -> list[Share]:
     shares = []
     for key_name, rigs in made.items():
         key, rig_data = _keys[rigs[0]], _rig_data[rigs[0]]
-        paths = render.layout(rig_data)
-        complete = known(JsonFile, path=paths["build_marker"]) == render.build_manifest(rig_data)
-        if not complete and _cache_holds(key_name):
+        if not _complete(rig_data) and _cache_holds(key_name):
             shares.append(Share(key, "receive", "the control machine's cache", data=rig_data))
         else:
             shares.append(Share(key, "build", source_rig=True, data=rig_data))
     return shares
+
+
+def _complete(data: dict) -> bool:
+    """Whether the host being prepared has the build of ``data`` (a rig's planned data) whole:
+    its completion marker records the build's manifest."""
+    return known(JsonFile, path=render.layout(data)["build_marker"]) == render.build_manifest(data)
 
 
 def _sources() -> dict[str, str]:
